@@ -1,0 +1,116 @@
+"""Configuration: one YAML file, validated at load time.
+
+The schema mirrors what RIG users already write (model / retriever / rig / server sections).
+Every section forbids unknown keys, and every error names the key path that caused it, e.g.
+``rig.max_iterations: Input should be greater than or equal to 0 (got -1)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration file or dict that cannot be used; the message names the key path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    name: str = Field("smollm2-135m-instruct", min_length=1)
+    """An embedded default name, a local directory, a ``.gguf`` file or a HuggingFace id."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "nf4"] = "none"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    adapter: str | None = None
+    max_tokens: int = Field(512, ge=1)
+    """Tokens the model may sample per request (evidence tokens do not count)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """0 means greedy decoding."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+
+
+class RetrieverConfig(_Section):
+    type: Literal["faiss"] = "faiss"
+    top_k: int = Field(3, ge=1, le=100)
+    score_threshold: float = Field(0.2, ge=-1.0, le=1.0)
+    embedding_model: str = Field("all-minilm-l6-v2", min_length=1)
+    index_path: str | None = None
+    """A built index directory. None: the bundled demo knowledge base, indexed on first use."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A search that takes longer is abandoned; the hop continues with a no-evidence block."""
+
+
+class RigLoopConfig(_Section):
+    max_iterations: int = Field(3, ge=0, le=64)
+    marker_style: Literal["special_token", "json"] = "special_token"
+    append_format: Literal["full"] = "full"
+    max_query_tokens: int = Field(48, ge=1)
+    evidence_token_budget: int = Field(384, ge=16)
+    newline_ends_query: bool = True
+    """A line break inside a query closes it (for models not trained on the end marker)."""
+    show_markers: bool = False
+    """Keep marker and evidence text in the returned answer."""
+    system_prompt: str | None = None
+    """Replaces the built-in instruction that teaches the model the marker syntax."""
+    deadline_s: float | None = Field(None, gt=0)
+    """Wall-clock limit per request; past it the request finishes with what it has."""
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = None
+    max_concurrency: int = Field(16, ge=1)
+
+
+class RigConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    retriever: RetrieverConfig = RetrieverConfig()
+    rig: RigLoopConfig = RigLoopConfig()
+    server: ServerConfig = ServerConfig()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> "RigConfig":
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "RigConfig":
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        return cls.from_dict(data, source=str(path))
+
+    def updated(self, **sections: dict[str, Any]) -> "RigConfig":
+        """A copy with some keys of some sections replaced, validated like a file would be."""
+        data = self.model_dump()
+        for name, values in sections.items():
+            data.setdefault(name, {}).update(values)
+        return RigConfig.from_dict(data, source="override")
+
+
+def _describe(err: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"{path}: unknown key"
+    return f"{path}: {err['msg']} (got {err.get('input')!r})"

@@ -1,0 +1,71 @@
+"""One request's decoding state.
+
+``token_ids`` only grows: prompt, sampled tokens, forced tokens and evidence are appended and never
+re-encoded. ``mask`` runs beside it (1 = sampled by the model, 0 = prompt, evidence or forced), the
+same mask training uses to keep evidence out of the loss. ``pending`` holds the tail of
+``token_ids`` that the model has not seen yet: one sampled token on a decode step, or the
+marker-completing token plus the evidence block after a hop, which is then prefilled in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from ..markers import MarkerMatcher
+from ..trace import Trace
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    RETRIEVING = "retrieving"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    matcher: MarkerMatcher
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_generated: int = 0
+    finish_reason: str | None = None
+    query: str | None = None
+    """The query of the marker just completed, while the sequence is RETRIEVING."""
+    trace: Trace = field(default_factory=Trace)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+        self.mask = [0] * len(self.prompt_ids)
+        self.pending = list(self.prompt_ids)
+        self.trace.prompt_tokens = len(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    def append(self, token_ids: list[int], sampled: bool) -> None:
+        self.token_ids += token_ids
+        self.mask += [int(sampled)] * len(token_ids)
+        self.pending += token_ids
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+        self.trace.finish_reason = reason
+        self.pending.clear()

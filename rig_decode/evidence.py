@@ -1,0 +1,79 @@
+"""Evidence blocks: the tokens spliced into a sequence after a retrieve marker.
+
+A block is tokenised on its own (never merged with the text around it, so earlier token ids stay
+as they are) and fits a token budget: documents are added best first, the one that crosses the
+budget is cut at a token boundary and marked with an ellipsis, the rest are dropped. Documents are
+numbered so answers can cite them. The same hits always give the same token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .retrieval.base import Hit
+
+NO_EVIDENCE = "No evidence available."
+_MIN_DOC_TOKENS = 8
+
+
+@dataclass(slots=True)
+class EvidenceBlock:
+    token_ids: list[int]
+    text: str
+    doc_ids: list[str]
+    truncated: bool
+
+
+class EvidenceFormatter:
+    def __init__(self, tokenizer, budget: int = 384):
+        self.tokenizer, self.budget = tokenizer, budget
+        self._head = self._encode("\n<evidence>\n")
+        self._tail = self._encode("</evidence>\n")
+        self._ellipsis = self._encode(" …\n")
+        self._empty = self._encode(NO_EVIDENCE + "\n")
+        if budget < self.min_budget:
+            raise ValueError(f"evidence_token_budget {budget} cannot hold even an empty evidence block "
+                             f"({self.min_budget} tokens)")
+
+    @property
+    def min_budget(self) -> int:
+        return len(self._head) + len(self._tail) + len(self._empty)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render(self, hits: list[Hit], hop: int, budget: int | None = None) -> list[int]:
+        return self.render_block(hits, hop, budget).token_ids
+
+    def render_block(self, hits: list[Hit], hop: int, budget: int | None = None) -> EvidenceBlock:
+        """``hop`` is 1-based; ``budget`` (tokens, default the formatter's) may only shrink it."""
+        budget = self.budget if budget is None else min(budget, self.budget)
+        if budget < self.min_budget:
+            raise ValueError(f"{budget} tokens cannot hold an evidence block")
+        room = budget - len(self._head) - len(self._tail)
+        body: list[int] = []
+        lines: list[str] = []
+        doc_ids: list[str] = []
+        truncated = False
+        for n, hit in enumerate(hits, 1):
+            title = f"{hit.title}: " if hit.title else ""
+            line = f"[{n}] {title}{' '.join(hit.text.split())}\n"
+            ids = self._encode(line)
+            if len(ids) > room:
+                keep = room - len(self._ellipsis)
+                if keep >= _MIN_DOC_TOKENS:
+                    ids = ids[:keep] + self._ellipsis
+                    line = self.tokenizer.decode(ids[:keep]) + " …\n"
+                    body += ids
+                    lines.append(line)
+                    doc_ids.append(hit.doc_id)
+                truncated = True
+                break
+            body += ids
+            room -= len(ids)
+            lines.append(line)
+            doc_ids.append(hit.doc_id)
+        if not body:
+            body, lines = list(self._empty), [NO_EVIDENCE + "\n"]
+        text = "\n<evidence>\n" + "".join(lines) + "</evidence>\n"
+        return EvidenceBlock(self._head + body + self._tail, text, doc_ids, truncated)

@@ -1,0 +1,158 @@
+"""Logits processors that make the retrieval loop terminate by construction.
+
+* ``HopBudgetProcessor``: once a row has completed ``max_iterations`` markers, every token that
+  would complete a start delimiter is set to -inf, so no further hop can begin.
+* ``QueryCapProcessor``: once an open query has ``max_query_tokens`` tokens, the end delimiter is
+  forced token by token.
+* ``NoStopInQueryProcessor``: a row cannot end (EOS / stop ids) while a query is open.
+
+Each processor has two entry points. ``apply(rows, scores)`` is what the engine calls: ``rows`` are
+its sequences, each with a ``matcher`` it keeps up to date. ``__call__(input_ids, scores)`` is the
+HuggingFace ``LogitsProcessor`` signature, so the same objects plug into ``model.generate``; there a
+shared ``MarkerTracker`` feeds each row's new tokens (everything after the prompt) to its matcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor
+
+from .markers import MarkerMatcher, MarkerVocab
+
+__all__ = [
+    "MarkerTracker",
+    "HopBudgetProcessor",
+    "QueryCapProcessor",
+    "NoStopInQueryProcessor",
+    "NewlineEndsQueryProcessor",
+    "marker_processors",
+]
+
+
+@dataclass(slots=True)
+class _TrackedRow:
+    matcher: MarkerMatcher
+
+
+class MarkerTracker:
+    """Keeps one matcher per row in step with ``input_ids`` across ``generate`` steps."""
+
+    def __init__(self, vocab: MarkerVocab):
+        self.vocab = vocab
+        self.rows: list[_TrackedRow] = []
+        self._seen = 0
+
+    def sync(self, input_ids: torch.Tensor) -> list[_TrackedRow]:
+        if not self.rows:  # first step: everything so far is the prompt
+            self.rows = [_TrackedRow(MarkerMatcher(self.vocab)) for _ in range(input_ids.shape[0])]
+            self._seen = input_ids.shape[1]
+        if input_ids.shape[1] > self._seen:
+            new = input_ids[:, self._seen :].tolist()
+            for row, ids in zip(self.rows, new):
+                for t in ids:
+                    row.matcher.feed(t)
+            self._seen = input_ids.shape[1]
+        return self.rows
+
+
+class _MarkerProcessor(LogitsProcessor):
+    def __init__(self, tracker: MarkerTracker | None = None):
+        self.tracker = tracker
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.tracker is None:
+            raise RuntimeError(f"{type(self).__name__} needs a MarkerTracker to run inside generate()")
+        return self.apply(self.tracker.sync(input_ids), scores)
+
+    def apply(self, rows, scores: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class HopBudgetProcessor(_MarkerProcessor):
+    def __init__(self, vocab: MarkerVocab, max_iterations: int, tracker: MarkerTracker | None = None):
+        super().__init__(tracker)
+        self.vocab, self.max_iterations = vocab, max_iterations
+
+    def apply(self, rows, scores):
+        for i, row in enumerate(rows):
+            m = row.matcher
+            if m.num_markers >= self.max_iterations and not m.is_open:
+                banned = self.vocab.start_completing_ids(m.start_states).to(scores.device)
+                scores[i, banned] = float("-inf")
+        return scores
+
+
+class QueryCapProcessor(_MarkerProcessor):
+    """Forces the end delimiter at the query cap, and completes one the model has begun."""
+
+    def __init__(self, max_query_tokens: int, tracker: MarkerTracker | None = None):
+        super().__init__(tracker)
+        self.max_query_tokens = max_query_tokens
+
+    def apply(self, rows, scores):
+        for i, row in enumerate(rows):
+            m = row.matcher
+            if m.must_close(self.max_query_tokens):
+                forced = m.next_forced_end()
+                scores[i].fill_(float("-inf"))
+                scores[i, forced] = 0.0
+        return scores
+
+
+class NoStopInQueryProcessor(_MarkerProcessor):
+    def __init__(self, stop_ids: list[int], tracker: MarkerTracker | None = None):
+        super().__init__(tracker)
+        self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+
+    def apply(self, rows, scores):
+        if len(self.stop_ids):
+            for i, row in enumerate(rows):
+                if row.matcher.is_open:
+                    scores[i, self.stop_ids.to(scores.device)] = float("-inf")
+        return scores
+
+
+class NewlineEndsQueryProcessor(_MarkerProcessor):
+    """Inside a query, a line break means the query is over: the probability of every token that
+    contains one moves onto the first token of the end delimiter (whose rest is then forced).
+
+    Models that were never trained on the end delimiter tend to end a query with a newline and
+    carry on as if the evidence were already there; this turns that intent into a real marker.
+    """
+
+    def __init__(self, vocab: MarkerVocab, tracker: MarkerTracker | None = None):
+        super().__init__(tracker)
+        self.vocab = vocab
+
+    def apply(self, rows, scores):
+        newline = self.vocab.newline_ids.to(scores.device)
+        for i, row in enumerate(rows):
+            m = row.matcher
+            if m.is_open and len(newline):
+                end = m.next_forced_end()
+                folded = torch.logsumexp(torch.cat([scores[i, newline], scores[i, end : end + 1]]), 0)
+                scores[i, newline] = float("-inf")
+                scores[i, end] = folded
+        return scores
+
+
+def marker_processors(
+    vocab: MarkerVocab,
+    max_iterations: int,
+    max_query_tokens: int,
+    stop_ids: list[int],
+    newline_ends_query: bool = True,
+    tracker: MarkerTracker | None = None,
+) -> list[_MarkerProcessor]:
+    """The processors in the order they must run, sharing one tracker (None: one is made, for
+    ``generate``; the engine passes its own rows to ``apply`` and needs none). Forcing goes last
+    because it overrides every ban."""
+    if tracker is None:
+        tracker = MarkerTracker(vocab)
+    procs = [HopBudgetProcessor(vocab, max_iterations, tracker), NoStopInQueryProcessor(stop_ids, tracker)]
+    if newline_ends_query:
+        procs.append(NewlineEndsQueryProcessor(vocab, tracker))
+    procs.append(QueryCapProcessor(max_query_tokens, tracker))
+    return procs

@@ -1,0 +1,93 @@
+"""Load a causal LM and its tokenizer from an embedded default, a local path, a GGUF file or a hub id.
+
+``quantization: nf4`` loads the weights in 4 bits with bitsandbytes (NF4, double quantisation,
+bf16 compute) - how a 32B model fits a 24 GB card. Device and dtype default to CUDA + bf16 when a
+GPU is present, CPU + fp32 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from .embedded import EMBEDDED_MODELS, pull
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def resolve_device(pref: str = "auto") -> torch.device:
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device is 'cuda' but CUDA is not available")
+    if pref == "auto":
+        pref = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(pref)
+
+
+def resolve_dtype(pref: str, device: torch.device) -> torch.dtype:
+    if pref == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, pref)
+
+
+def nf4_config():
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ModelLoadError("quantization: nf4 needs bitsandbytes (pip install 'rig_decode[gpu]')") from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def resolve_source(name: str) -> tuple[str, dict]:
+    """(path or hub id, extra from_pretrained kwargs) for a ``model.name``."""
+    if name.lower() in EMBEDDED_MODELS:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return str(pull(name.lower())), {}
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists() or name.startswith((".", "/", "~")):
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {path} has no config.json")
+        return str(path), {}
+    return name, {}  # a hub id: the user's environment decides whether it may be downloaded
+
+
+def load_model(cfg: ModelConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    source, extra = resolve_source(cfg.name)
+    kwargs = dict(extra, dtype=dtype)
+    if cfg.quantization == "nf4":
+        kwargs["quantization_config"] = nf4_config()
+        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise ModelLoadError(f"cannot load model {cfg.name!r}: {e}") from e
+    if cfg.quantization == "none":
+        model.to(device)
+    if cfg.adapter:
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise ModelLoadError("model.adapter needs peft (pip install 'rig_decode[train]')") from None
+        model = PeftModel.from_pretrained(model, cfg.adapter)
+    model.eval()
+    return model, tokenizer

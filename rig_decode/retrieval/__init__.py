@@ -1,0 +1,3 @@
+from .base import Document, Hit, RetrievalError, Retriever
+
+__all__ = ["Document", "Hit", "RetrievalError", "Retriever"]

@@ -1,0 +1,82 @@
+"""``RigSession(config).ask(question) -> (answer, trace)``: the public entry point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import RigConfig
+from .engine.engine import EngineOptions, RigEngine
+from .engine.sequence import Sequence
+from .markers import MarkerSpec
+from .prompt import build_prompt
+from .retrieval.base import Retriever
+from .trace import Trace
+
+
+def engine_options(cfg: RigConfig, **overrides) -> EngineOptions:
+    opts = dict(
+        max_iterations=cfg.rig.max_iterations,
+        max_query_tokens=cfg.rig.max_query_tokens,
+        evidence_token_budget=cfg.rig.evidence_token_budget,
+        marker_style=cfg.rig.marker_style,
+        top_k=cfg.retriever.top_k,
+        retrieval_timeout_s=cfg.retriever.timeout_s,
+        max_new_tokens=cfg.model.max_tokens,
+        temperature=cfg.model.temperature,
+        top_p=cfg.model.top_p,
+        seed=cfg.model.seed,
+        deadline_s=cfg.rig.deadline_s,
+        newline_ends_query=cfg.rig.newline_ends_query,
+    )
+    opts.update(overrides)
+    return EngineOptions(**opts)
+
+
+class RigSession:
+    def __init__(self, config: RigConfig | str | Path | None = None, *, model=None, tokenizer=None,
+                 retriever: Retriever | None = None, reprefill: bool = False):
+        if config is None:
+            config = RigConfig()
+        elif not isinstance(config, RigConfig):
+            config = RigConfig.from_yaml(config)
+        self.config = config
+        if model is None or tokenizer is None:
+            from .models.loader import load_model
+
+            model, tokenizer = load_model(config.model)
+        if retriever is None:
+            from .retrieval.factory import build_retriever
+
+            retriever = build_retriever(config.retriever)
+        self.model, self.tokenizer, self.retriever = model, tokenizer, retriever
+        self.spec = MarkerSpec.from_style(config.rig.marker_style)
+        self.engine = RigEngine(model, tokenizer, retriever, engine_options(config, reprefill=reprefill))
+
+    def prompt_ids(self, question) -> list[int]:
+        return build_prompt(self.tokenizer, question, self.spec, self.config.rig.system_prompt)
+
+    def ask(self, question) -> tuple[str, Trace]:
+        """``question``: a string, or a chat as a list of ``{"role", "content"}`` messages."""
+        return self.ask_batch([question])[0]
+
+    def ask_batch(self, questions: list) -> list[tuple[str, Trace]]:
+        """All questions decode as one batch; hops of every row go to the retriever together."""
+        if not questions:
+            return []
+        seqs = [
+            self.engine.new_sequence(self.prompt_ids(q), seq_id=i, question=q if isinstance(q, str) else "")
+            for i, q in enumerate(questions)
+        ]
+        self.engine.generate(seqs)
+        return [(self.answer_text(s), s.trace) for s in seqs]
+
+    def answer_text(self, seq: Sequence) -> str:
+        if not self.config.rig.show_markers:
+            return seq.matcher.visible_text().strip()
+        ids = seq.completion_ids
+        if seq.finish_reason == "stop":
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False).strip()
+
+    def close(self) -> None:
+        self.engine.close()

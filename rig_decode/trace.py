@@ -1,0 +1,63 @@
+"""What happened during one request: every hop with its query, hits, timings and token counts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class RetrievedDoc:
+    id: str
+    title: str | None
+    score: float
+    source: str
+
+
+@dataclass(slots=True)
+class RetrievalStep:
+    round: int
+    """1-based hop number within the request."""
+    query: str
+    docs: list[RetrievedDoc] = field(default_factory=list)
+    latency_ms: float = 0.0
+    """Time spent in search (and rerank) for the batch this hop was part of."""
+    evidence_tokens: int = 0
+    """Tokens spliced into the cache for this hop (the pending end-marker token not counted)."""
+    splice_ms: float = 0.0
+    position: int = 0
+    """Index in the sequence's token list where the evidence starts."""
+    batch_size: int = 1
+    """How many queries went to the retriever in the same ``search_batch`` call."""
+    error: str | None = None
+    fallback: str | None = None
+
+
+@dataclass(slots=True)
+class Trace:
+    question: str = ""
+    retrieval_steps: list[RetrievalStep] = field(default_factory=list)
+    marker_errors: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    """Tokens the model produced (sampled, plus end markers forced at the query cap)."""
+    evidence_tokens: int = 0
+    marker_tokens: int = 0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    retrieval_ms: float = 0.0
+    splice_ms: float = 0.0
+    total_ms: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def num_hops(self) -> int:
+        return len(self.retrieval_steps)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["num_hops"] = self.num_hops
+        return d
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, **kwargs)

@@ -1,0 +1,138 @@
+"""Test doubles: a tiny tokenizer and model, a scripted retriever, scripted logits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rig_decode.retrieval.base import Hit
+
+_CORPUS = [
+    "Which release fixed error E1234 and who approved it?",
+    "Release 4.2.1 fixed error E1234; Priya Raman approved it on 2026-01-14.",
+    "The answer is in the evidence. Search for the fact, then answer.",
+    "<|retrieve|>error E1234 fixed in release<|endofretrieve|>",
+    '{"retrieve": "release 4.2.1 approved by"}',
+    "<evidence>\n[1] Helios Gateway changelog: release notes\n</evidence>\n",
+    "No evidence available.",
+    "Grüße aus Köln — naïve café, 東京 and emoji 🚀 text.",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(special_markers: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (~600 tokens) trained on a few sentences: markers split into
+    several tokens, as they do for models that never saw them."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|pad|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHAT_TEMPLATE
+    if special_markers:
+        fast.add_special_tokens({"additional_special_tokens": ["<|retrieve|>", "<|endofretrieve|>"]})
+    return fast
+
+
+def tiny_model(vocab_size: int, seed: int = 0, max_positions: int = 2048) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+class ScriptedRetriever:
+    """Deterministic hits derived from the query text; records every batch it was asked."""
+
+    def __init__(self, docs: list[tuple[str, str]] | None = None, delay_s: float = 0.0, fail: bool = False):
+        self.docs = docs or [
+            ("d1", "Release 4.2.1 fixed error E1234."),
+            ("d2", "Priya Raman approved release 4.2.1 on 2026-01-14."),
+            ("d3", "Clause 7.1 classifies data loss as priority P1."),
+            ("d4", "Helios Gateway terminates TLS and routes requests."),
+        ]
+        self.delay_s, self.fail = delay_s, fail
+        self.batches: list[list[str]] = []
+        self._lock = threading.Lock()
+
+    def search_batch(self, queries, top_k, filters=None):
+        with self._lock:
+            self.batches.append(list(queries))
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail:
+            raise ConnectionError("index server unreachable")
+        out = []
+        for q in queries:
+            start = sum(q.encode()) % len(self.docs)
+            picked = [self.docs[(start + j) % len(self.docs)] for j in range(min(top_k, len(self.docs)))]
+            out.append([Hit(i, t, 1.0 - 0.1 * j, title=f"doc {i}") for j, (i, t) in enumerate(picked)])
+        return out
+
+
+class ForceScript:
+    """Forces token sequences at chosen generation steps of chosen sequences (by ``seq_id``):
+    ``{seq_id: {step: [ids]}}``. Everything else is the model's own choice."""
+
+    def __init__(self, script: dict[int, dict[int, list[int]]]):
+        self.script = script
+
+    def apply(self, rows, scores):
+        for i, seq in enumerate(rows):
+            for start, ids in self.script.get(seq.seq_id, {}).items():
+                k = seq.num_generated - start
+                if 0 <= k < len(ids):
+                    scores[i].fill_(float("-inf"))
+                    scores[i, ids[k]] = 0.0
+        return scores
+
+
+class LogitRecorder:
+    """Records each row's raw logits, keyed by (seq_id, number of tokens before the sampled one)."""
+
+    def __init__(self):
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+
+    def apply(self, rows, scores):
+        for i, seq in enumerate(rows):
+            self.logits[(seq.seq_id, len(seq.token_ids))] = scores[i].detach().clone()
+        return scores
+
+
+class MarkersForever:
+    """An adversarial 'model': always wants to open a marker, never closes one, never stops."""
+
+    def __init__(self, vocab, filler: int):
+        self.vocab, self.filler = vocab, filler
+        start = vocab.spec.start[0]
+        self.start_next = [vocab.tokenizer.encode(start[s:], add_special_tokens=False)[0] for s in range(len(start))]
+
+    def __call__(self, input_ids, scores):  # also usable inside model.generate
+        return scores
+
+    def apply(self, rows, scores):
+        for i, row in enumerate(rows):
+            m = row.matcher
+            scores[i].fill_(-1e4)
+            scores[i, self.filler] = -1e3
+            want = self.filler if m.is_open else self.start_next[m.start_states[0]]
+            scores[i, want] = 0.0
+        return scores

@@ -1,0 +1,126 @@
+"""The core invariant: splicing evidence into the cache == re-prefilling the full token list.
+
+Hops are placed by forcing marker tokens at chosen steps (everything else is the model's own
+greedy choice), rows have different prompt lengths, hop at different steps and finish at
+different times. Checked three ways: (1) at every step of the spliced batched run, each row's
+logits equal a plain cache-free forward over that row's token list; (2) the spliced batch gives
+exactly the tokens of the reference engine that re-prefills after every hop; (3) each row gives
+the same tokens alone as in the batch.
+"""
+
+import pytest
+import torch
+
+from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.markers import MarkerSpec, MarkerVocab
+
+from .helpers import ForceScript, LogitRecorder, ScriptedRetriever
+
+PROMPTS = [
+    "Which release fixed error E1234 and who approved it?",
+    "Release 4.2.1?",
+    "The answer is in the evidence. Search for the fact, then answer. Which release fixed error E1234?",
+]
+
+
+def _script(vocab, eos):
+    m = vocab.marker_token_ids
+    return {
+        0: {2: m("error E1234 fixed in release"), 30: m("release 4.2.1 approved by")},
+        1: {0: m("who approved 4.2.1"), 25: [eos]},  # a hop at the very first token, then an early stop
+        2: {9: m("clause 7.1 priority"), 33: m("data loss"), 50: m("E1234")},
+    }
+
+
+def _run(model, tok, prompts, script, *, reprefill=False, seq_ids=None, style="special_token",
+         max_new_tokens=70, recorder=None):
+    opts = EngineOptions(max_iterations=3, marker_style=style, max_new_tokens=max_new_tokens,
+                         evidence_token_budget=64, top_k=2, reprefill=reprefill)
+    extra = ([recorder] if recorder else []) + [ForceScript(script)]
+    engine = RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=extra)
+    seq_ids = seq_ids or list(range(len(prompts)))
+    seqs = [engine.new_sequence(tok.encode(p), seq_id=i) for i, p in zip(seq_ids, prompts)]
+    engine.generate(seqs)
+    return seqs
+
+
+def _full_forward_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("style", ["special_token", "json"])
+def test_tiny_model_batched_splice_equals_reprefill(model, tok, style):
+    vocab = MarkerVocab(tok, MarkerSpec.from_style(style))
+    script = _script(vocab, tok.eos_token_id)
+    rec = LogitRecorder()
+    spliced = _run(model, tok, PROMPTS, script, style=style, recorder=rec)
+
+    hops = [s.trace.num_hops for s in spliced]
+    assert hops == [2, 1, 3], hops  # the script's hops really happened, at different steps
+    assert len({len(s.token_ids) for s in spliced}) == 3  # ragged
+
+    # (1) every recorded step against a cache-free forward of the same token list
+    worst = 0.0
+    for (sid, n), logits in rec.logits.items():
+        seq = spliced[sid]
+        ref = _full_forward_logits(model, seq.token_ids[:n])
+        worst = max(worst, (logits - ref).abs().max().item())
+    assert worst <= 1e-4, worst
+
+    # (2) the reference engine that re-prefills everything after each hop
+    reference = _run(model, tok, PROMPTS, script, style=style, reprefill=True)
+    for a, b in zip(spliced, reference):
+        assert a.token_ids == b.token_ids
+        assert a.mask == b.mask
+
+    # (3) alone vs in the batch
+    for i, p in enumerate(PROMPTS):
+        alone = _run(model, tok, [p], script, style=style, seq_ids=[i])[0]
+        assert alone.token_ids == spliced[i].token_ids
+
+
+def test_post_splice_positions_are_checked(model, tok):
+    """The logit check above really covers the steps right after a splice."""
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    rec = LogitRecorder()
+    seqs = _run(model, tok, PROMPTS, _script(vocab, tok.eos_token_id), recorder=rec)
+    for s in seqs:
+        for step in s.trace.retrieval_steps:
+            after = step.position + step.evidence_tokens
+            assert (s.seq_id, after) in rec.logits
+            assert s.mask[step.position : after] == [0] * step.evidence_tokens
+
+
+@pytest.mark.real_model
+def test_real_model_splice_equals_reprefill(real):
+    model, tok = real
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    m = vocab.marker_token_ids
+    script = {0: {3: m("error E1234 fixed in release")}, 1: {0: m("Priya Raman"), 16: m("release approver")}}
+    prompts = [
+        "Which release of Helios Gateway fixed error E1234, and who approved that release?",
+        "Who is Priya Raman?",
+    ]
+    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"] for p in prompts]
+    rec = LogitRecorder()
+
+    def run(ids, seq_ids, reprefill=False, recorder=None):
+        opts = EngineOptions(max_iterations=2, max_new_tokens=36, evidence_token_budget=96, top_k=2,
+                             reprefill=reprefill)
+        extra = ([recorder] if recorder else []) + [ForceScript(script)]
+        engine = RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=extra)
+        seqs = [engine.new_sequence(p, seq_id=i) for i, p in zip(seq_ids, ids)]
+        return engine.generate(seqs)
+
+    spliced = run(prompt_ids, [0, 1], recorder=rec)
+    assert [s.trace.num_hops for s in spliced] == [1, 2]
+    for s in spliced:
+        for step in s.trace.retrieval_steps:
+            n = step.position + step.evidence_tokens
+            diff = (rec.logits[(s.seq_id, n)] - _full_forward_logits(model, s.token_ids[:n])).abs().max().item()
+            assert diff <= 1e-4, diff
+    for i, ids in enumerate(prompt_ids):
+        ref = run([ids], [i], reprefill=True)[0]
+        assert ref.token_ids == spliced[i].token_ids
