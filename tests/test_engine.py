@@ -1,0 +1,125 @@
+"""Engine behaviour around hops: batching of queries, errors, limits and what the answer shows."""
+
+import pytest
+
+from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.evidence import NO_EVIDENCE
+from rig_decode.markers import MarkerSpec, MarkerVocab
+
+from .helpers import ForceScript, ScriptedRetriever
+
+
+def make(model, tok, script, retriever=None, **opts):
+    base = dict(max_iterations=3, max_new_tokens=40, evidence_token_budget=60, top_k=2)
+    base.update(opts)
+    engine = RigEngine(model, tok, retriever or ScriptedRetriever(), EngineOptions(**base),
+                       extra_processors=[ForceScript(script)])
+    return engine
+
+
+def marker(tok, q):
+    return MarkerVocab(tok, MarkerSpec.special_token()).marker_token_ids(q)
+
+
+def test_queries_pending_at_one_step_go_in_one_batch(model, tok):
+    r = ScriptedRetriever()
+    m1, m2, m3 = marker(tok, "aa"), marker(tok, "bb"), marker(tok, "cc")
+    # rows 0 and 1 finish their markers at the same step, row 2 later
+    script = {0: {0: m1}, 1: {len(m1) - len(m2): m2} if len(m1) >= len(m2) else {0: m2}, 2: {20: m3}}
+    e = make(model, tok, script, r)
+    e.generate([e.new_sequence(tok.encode(p), i) for i, p in enumerate(["x", "yy", "zzz"])])
+    assert sorted(map(sorted, r.batches)) == [["aa", "bb"], ["cc"]]
+
+
+def test_failed_retriever_records_error_and_continues_with_no_evidence(model, tok):
+    e = make(model, tok, {0: {0: marker(tok, "E1234")}}, ScriptedRetriever(fail=True))
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    step = s.trace.retrieval_steps[0]
+    assert "ConnectionError" in step.error and step.fallback == "no-evidence block"
+    assert NO_EVIDENCE in tok.decode(s.token_ids[step.position : step.position + step.evidence_tokens])
+    assert s.finish_reason == "length" and s.num_generated == 40  # generation went on
+
+
+def test_retriever_timeout(model, tok):
+    e = make(model, tok, {0: {0: marker(tok, "slow")}}, ScriptedRetriever(delay_s=2.0), retrieval_timeout_s=0.2)
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    assert "timed out" in s.trace.retrieval_steps[0].error
+    assert s.trace.retrieval_steps[0].latency_ms < 1500
+
+
+def test_empty_query_gets_no_search(model, tok):
+    r = ScriptedRetriever()
+    e = make(model, tok, {0: {0: tok.encode("<|retrieve|> <|endofretrieve|>")}}, r)
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    assert r.batches == [] and s.trace.retrieval_steps[0].error == "empty query"
+
+
+def test_marker_on_the_last_allowed_token_does_not_retrieve(model, tok):
+    m = marker(tok, "late")
+    r = ScriptedRetriever()
+    e = make(model, tok, {0: {10 - len(m): m}}, r, max_new_tokens=10)
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    assert r.batches == [] and s.finish_reason == "length"
+    assert "token limit" in s.trace.retrieval_steps[0].error
+
+
+def test_stop_token_ends_a_row(model, tok):
+    e = make(model, tok, {0: {3: [tok.eos_token_id]}})
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    assert s.finish_reason == "stop" and s.num_generated == 4
+
+
+def test_prompt_longer_than_context_is_rejected(tok):
+    from .helpers import tiny_model
+
+    small = tiny_model(len(tok), max_positions=32)
+    e = make(small, tok, {})
+    with pytest.raises(ValueError, match=r"prompt is 40 tokens; the model's context holds 32"):
+        e.new_sequence([5] * 40)
+    with pytest.raises(ValueError, match="empty prompt"):
+        e.new_sequence([])
+
+
+def test_context_fills_up_mid_answer(tok):
+    from .helpers import tiny_model
+
+    small = tiny_model(len(tok), max_positions=64)
+    e = make(small, tok, {0: {0: marker(tok, "x")}}, max_new_tokens=200, evidence_token_budget=200)
+    s = e.generate([e.new_sequence(tok.encode("question"), 0)])[0]
+    assert s.finish_reason == "context_full" and len(s.token_ids) <= 64
+
+
+def test_deadline(model, tok):
+    e = make(model, tok, {0: {0: marker(tok, "slow")}}, ScriptedRetriever(delay_s=0.3), deadline_s=0.2,
+             max_new_tokens=500)
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    assert s.finish_reason == "deadline" and s.num_generated < 500
+
+
+def test_masks_and_trace_token_counts(model, tok):
+    m = marker(tok, "E1234")
+    e = make(model, tok, {0: {2: m}})
+    s = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    step = s.trace.retrieval_steps[0]
+    assert len(s.token_ids) == len(s.mask) == s.num_prompt_tokens + s.num_generated + s.trace.evidence_tokens
+    # Once two bytes of the end delimiter are written the rest is forced (mask 0), not sampled.
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    commit_at, offset, forced = len("<|retrieve|>E1234<|"), 0, 0
+    for t in m:
+        forced += offset >= commit_at
+        offset += len(vocab.token_bytes[t])
+    assert forced > 0 and sum(s.mask) == s.num_generated - forced
+    assert s.trace.marker_tokens == len(m)
+    assert step.docs and step.docs[0].id and step.latency_ms >= 0 and step.splice_ms > 0
+    assert s.trace.ttft_ms > 0 and s.trace.decode_ms > 0
+
+
+def test_sampling_is_seeded_and_batch_independent(model, tok):
+    def run(prompts, seq_ids):
+        e = make(model, tok, {}, temperature=1.0, top_p=0.9, seed=7, max_new_tokens=15)
+        return [s.token_ids for s in e.generate([e.new_sequence(tok.encode(p), i) for i, p in zip(seq_ids, prompts)])]
+
+    batch = run(["hello", "the answer"], [0, 1])
+    assert batch == run(["hello", "the answer"], [0, 1])
+    assert run(["the answer"], [1])[0] == batch[1]
+    assert batch[0] != run(["hello"], [5])[0]  # a different seed stream gives different text

@@ -1,0 +1,86 @@
+"""Termination by construction: the hop budget and the query cap hold against a model that wants
+to retrieve forever, in the engine and inside plain ``model.generate``."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.logits import MarkerTracker, marker_processors
+from rig_decode.markers import MarkerMatcher, MarkerSpec, MarkerVocab
+
+from .helpers import MarkersForever, ScriptedRetriever
+
+
+@pytest.mark.parametrize("style", ["special_token", "json"])
+@pytest.mark.parametrize("max_iterations", [0, 1, 3])
+def test_engine_terminates_against_a_marker_forever_model(model, tok, style, max_iterations):
+    vocab = MarkerVocab(tok, MarkerSpec.from_style(style))
+    filler = tok.encode(" a")[0]
+    opts = EngineOptions(max_iterations=max_iterations, max_query_tokens=6, marker_style=style,
+                         max_new_tokens=120, evidence_token_budget=40)
+    engine = RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=[MarkersForever(vocab, filler)],
+                       vocab=vocab)
+    seqs = engine.generate([engine.new_sequence(tok.encode("go"), 0), engine.new_sequence(tok.encode("go on"), 1)])
+    for s in seqs:
+        assert s.finish_reason == "length"
+        assert s.trace.num_hops == max_iterations
+        assert s.num_generated == 120
+        # every query was cut at the cap: at most 6 query tokens + the forced end delimiter
+        assert all(len(step.query.split()) <= 6 for step in s.trace.retrieval_steps)
+        assert not s.matcher.is_open or max_iterations == 0
+
+
+def test_processors_inside_plain_generate(model, tok):
+    """The same processors bound the loop inside ``model.generate`` (no retrieval there)."""
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    filler = tok.encode(" a")[0]
+    adversary = MarkersForever(vocab, filler)
+    procs = marker_processors(vocab, max_iterations=2, max_query_tokens=5, stop_ids=[tok.eos_token_id])
+    tracker = procs[0].tracker
+
+    class Adversary:  # the HF signature, reading the tracker the processors share
+        def __call__(self, input_ids, scores):
+            return adversary.apply(tracker.sync(input_ids), scores)
+
+    prompt = torch.tensor([tok.encode("go"), tok.encode("ok")])
+    out = model.generate(prompt, max_new_tokens=100, do_sample=False, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([Adversary(), *procs]))
+    for row in out[:, prompt.shape[1]:].tolist():
+        m = MarkerMatcher(vocab)
+        events = [e for t in row for e in m.feed(t)]
+        assert sum(e.kind == "marker" for e in events) == 2
+        assert not m.is_open
+
+
+def test_no_stop_inside_an_open_query(model, tok):
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    eos = tok.eos_token_id
+    (proc, *_rest) = [p for p in marker_processors(vocab, 3, 48, [eos]) if type(p).__name__ == "NoStopInQueryProcessor"]
+    tracker = MarkerTracker(vocab)
+    rows = tracker.sync(torch.tensor([[5], [5]]))
+    for t in tok.encode("<|retrieve|>abc"):
+        rows[0].matcher.feed(t)
+    scores = proc.apply(rows, torch.zeros(2, len(tok)))
+    assert scores[0, eos] == float("-inf") and scores[1, eos] == 0
+
+
+def test_newline_in_query_becomes_the_end_marker(model, tok):
+    """A model that ends its query with a line break gets a real end marker instead."""
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    newline = tok.encode("\n")[0]
+
+    class WantsNewline:
+        def apply(self, rows, scores):
+            for i, r in enumerate(rows):
+                if r.matcher.is_open and r.matcher.query_num_tokens >= 2:
+                    scores[i, newline] += 100.0
+            return scores
+
+    script = {0: {0: tok.encode("<|retrieve|>E1234")}}
+    from .helpers import ForceScript
+
+    opts = EngineOptions(max_iterations=1, max_new_tokens=30, evidence_token_budget=40)
+    engine = RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=[ForceScript(script), WantsNewline()])
+    s = engine.generate([engine.new_sequence(tok.encode("q"), 0)])[0]
+    assert s.trace.num_hops == 1 and s.trace.retrieval_steps[0].query.startswith("E1234")
