@@ -56,6 +56,8 @@ def _print_hops(trace, out=sys.stdout) -> None:
 
 
 def cmd_ask(args) -> int:
+    if not args.question.strip():
+        raise ValueError("empty question")
     session = _session(args)
     answer, trace = session.ask(args.question)
     if args.json:

@@ -121,13 +121,13 @@ class RigEngine:
                 self._retrieve(hops)
             needs_rebuild = self.opts.reprefill and bool(hops)
             keep = [i for i, s in enumerate(active) if not s.is_finished]
+            for s in active:
+                if s.is_finished:
+                    s.trace.total_ms = (time.perf_counter() - t_start) * 1e3
+                    s.trace.marker_tokens = s.matcher.num_marker_tokens()
             active = [active[i] for i in keep]
             if active and not needs_rebuild:
                 self.runner.select(keep)
-        total_ms = (time.perf_counter() - t_start) * 1e3
-        for s in seqs:
-            s.trace.total_ms = total_ms
-            s.trace.marker_tokens = s.matcher.num_marker_tokens()
         return seqs
 
     # ----------------------------------------------------------------------------------------------

