@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from importlib import resources
@@ -83,6 +84,48 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from .eval.datasets import load_dataset
+    from .eval.report import hops_table, markdown_table, write_outputs
+    from .eval.runner import EvalRunner, plan
+    from .models.loader import load_model
+    from .retrieval.factory import build_retriever
+
+    keys = plan([m.strip() for m in args.methods.split(",") if m.strip()],
+                [int(x) for x in args.max_iterations.split(",")])
+    examples, corpus = load_dataset(args.dataset, args.limit)
+    cfg = _load_config(argparse.Namespace(config=args.config, max_tokens=args.max_tokens))
+    _quiet_hf()
+    model, tokenizer = load_model(cfg.model)
+    retriever = build_retriever(cfg.retriever, corpus=corpus)
+    print(f"[rig] eval: {len(examples)} questions, {len(retriever.docs)} documents, runs: "
+          f"{', '.join(k.label for k in keys)}", file=sys.stderr)
+    runner = EvalRunner(cfg, model, tokenizer, retriever, batch_size=args.batch_size, progress=not args.no_progress)
+    results = runner.run(examples, keys)
+    meta = {"dataset": str(args.dataset), "model": cfg.model.name, "examples": len(examples),
+            "corpus": f"{len(retriever.docs)} documents", "batch_size": args.batch_size,
+            "max_tokens": cfg.model.max_tokens, "command": "rig " + shlex.join(args.argv)}
+    data = write_outputs(args.out, results, keys, meta)
+    print(markdown_table(data["runs"]))
+    print()
+    print(hops_table(data["runs"]))
+    for mi, c in data["rig_vs_reprefill"].items():
+        print(f"\nrig vs rig-reprefill @ max_iterations={mi}: identical answers: {c['identical_answers']}, "
+              f"rig {c['speedup']:.2f}x faster")
+    print(f"\nwrote {args.out}/report.md, results.json, traces.jsonl and plots", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"runs": data["runs"], "rig_vs_reprefill": data["rig_vs_reprefill"]}))
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from .eval.synth import write
+
+    counts = write(args.out, seed=args.seed, scale=args.scale)
+    print(json.dumps(counts))
+    return 0
+
+
 def cmd_models_pull(args) -> int:
     from .models.embedded import pull
 
@@ -111,6 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
     common(demo)
     demo.set_defaults(func=cmd_demo)
 
+    ev = sub.add_parser("eval", help="evaluate methods (none, rag, rig, rig-reprefill) on a dataset")
+    ev.add_argument("--dataset", required=True, help="JSONL (our format) or HotpotQA-style JSON/JSONL")
+    ev.add_argument("--config", help="YAML config")
+    ev.add_argument("--methods", default="none,rag,rig,rig-reprefill")
+    ev.add_argument("--max-iterations", default="1,2,3", help="comma-separated hop budgets for the rig methods")
+    ev.add_argument("--limit", type=int, help="first N questions only")
+    ev.add_argument("--max-tokens", type=int, help="tokens to generate per answer (overrides model.max_tokens)")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--out", required=True, help="output directory")
+    ev.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the metrics")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(func=cmd_eval)
+
+    syn = sub.add_parser("synth", help="write the synthetic multi-hop benchmark (corpus + train/dev/test)")
+    syn.add_argument("--out", required=True)
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--scale", type=float, default=1.0)
+    syn.set_defaults(func=cmd_synth)
+
     models = sub.add_parser("models", help="manage embedded models")
     msub = models.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="fetch and convert an embedded model into the cache (offline of any hub)")
@@ -124,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     from .models.loader import ModelLoadError
     from .retrieval.base import RetrievalError
 
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except (ConfigError, ModelLoadError, RetrievalError, ValueError, RuntimeError) as e:

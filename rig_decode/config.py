@@ -56,6 +56,8 @@ class RigLoopConfig(_Section):
     evidence_token_budget: int = Field(384, ge=16)
     newline_ends_query: bool = True
     """A line break inside a query closes it (for models not trained on the end marker)."""
+    retrieve_first: bool = False
+    """Force a retrieve marker at the start of every answer (the model still writes the query)."""
     show_markers: bool = False
     """Keep marker and evidence text in the returned answer."""
     system_prompt: str | None = None

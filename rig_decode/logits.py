@@ -27,6 +27,7 @@ __all__ = [
     "QueryCapProcessor",
     "NoStopInQueryProcessor",
     "NewlineEndsQueryProcessor",
+    "RetrieveFirstProcessor",
     "marker_processors",
 ]
 
@@ -138,12 +139,30 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
         return scores
 
 
+class RetrieveFirstProcessor(_MarkerProcessor):
+    """Forces the start delimiter as the first tokens of every answer: one hop always happens, its
+    query written by the model (for models that do not yet decide to retrieve on their own)."""
+
+    def __init__(self, vocab: MarkerVocab, tracker: MarkerTracker | None = None):
+        super().__init__(tracker)
+        self.start_ids = vocab.tokenizer.encode(vocab.spec.start[0], add_special_tokens=False)
+
+    def apply(self, rows, scores):
+        for i, row in enumerate(rows):
+            n = len(row.matcher.token_ends)
+            if n < len(self.start_ids) and row.matcher.num_markers == 0 and not row.matcher.is_open:
+                scores[i].fill_(float("-inf"))
+                scores[i, self.start_ids[n]] = 0.0
+        return scores
+
+
 def marker_processors(
     vocab: MarkerVocab,
     max_iterations: int,
     max_query_tokens: int,
     stop_ids: list[int],
     newline_ends_query: bool = True,
+    retrieve_first: bool = False,
     tracker: MarkerTracker | None = None,
 ) -> list[_MarkerProcessor]:
     """The processors in the order they must run, sharing one tracker (None: one is made, for
@@ -152,6 +171,8 @@ def marker_processors(
     if tracker is None:
         tracker = MarkerTracker(vocab)
     procs = [HopBudgetProcessor(vocab, max_iterations, tracker), NoStopInQueryProcessor(stop_ids, tracker)]
+    if retrieve_first and max_iterations > 0:
+        procs.append(RetrieveFirstProcessor(vocab, tracker))
     if newline_ends_query:
         procs.append(NewlineEndsQueryProcessor(vocab, tracker))
     procs.append(QueryCapProcessor(max_query_tokens, tracker))

@@ -27,6 +27,7 @@ def engine_options(cfg: RigConfig, **overrides) -> EngineOptions:
         seed=cfg.model.seed,
         deadline_s=cfg.rig.deadline_s,
         newline_ends_query=cfg.rig.newline_ends_query,
+        retrieve_first=cfg.rig.retrieve_first,
     )
     opts.update(overrides)
     return EngineOptions(**opts)

@@ -84,3 +84,17 @@ def test_newline_in_query_becomes_the_end_marker(model, tok):
     engine = RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=[ForceScript(script), WantsNewline()])
     s = engine.generate([engine.new_sequence(tok.encode("q"), 0)])[0]
     assert s.trace.num_hops == 1 and s.trace.retrieval_steps[0].query.startswith("E1234")
+
+
+def test_retrieve_first_forces_one_hop_with_the_models_query(model, tok):
+    opts = EngineOptions(max_iterations=2, max_new_tokens=30, max_query_tokens=5, retrieve_first=True,
+                         evidence_token_budget=40)
+    engine = RigEngine(model, tok, ScriptedRetriever(), opts)
+    s = engine.generate([engine.new_sequence(tok.encode("question"), 0)])[0]
+    start_len = len(tok.encode("<|retrieve|>"))
+    assert s.trace.num_hops >= 1 and s.trace.retrieval_steps[0].query
+    gen = s.mask[s.num_prompt_tokens:]
+    assert gen[:start_len] == [0] * start_len and 1 in gen[start_len:]  # forced start, model's own query
+    off = RigEngine(model, tok, ScriptedRetriever(), EngineOptions(max_iterations=0, retrieve_first=True,
+                                                                   max_new_tokens=10))
+    assert off.generate([off.new_sequence(tok.encode("question"), 0)])[0].trace.num_hops == 0

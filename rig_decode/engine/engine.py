@@ -49,6 +49,7 @@ class EngineOptions:
     seed: int = 0
     deadline_s: float | None = None
     newline_ends_query: bool = True
+    retrieve_first: bool = False
     reprefill: bool = False
     """Reference mode: re-prefill the whole batch after every hop instead of splicing."""
 
@@ -65,7 +66,7 @@ class RigEngine:
         self.processors = [
             *extra_processors,
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
-                               self.stop_ids, options.newline_ends_query),
+                               self.stop_ids, options.newline_ends_query, options.retrieve_first),
         ]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rig-retrieval")
 
@@ -102,11 +103,11 @@ class RigEngine:
             spliced = [len(s.pending) > 1 and s.num_generated > 0 for s in active]
             for s in active:
                 s.pending.clear()
-            tokens = self._sample(active, logits)
+            tokens, forced = self._sample(active, logits)
             dt_ms = (time.perf_counter() - t0) * 1e3
             now_ms = (time.perf_counter() - t_start) * 1e3
             hops: list[Sequence] = []
-            for s, tok, was_splice in zip(active, tokens, spliced):
+            for s, tok, was_forced, was_splice in zip(active, tokens, forced, spliced):
                 if was_splice:
                     s.trace.splice_ms += dt_ms
                     s.trace.retrieval_steps[-1].splice_ms = dt_ms
@@ -114,7 +115,7 @@ class RigEngine:
                     s.trace.decode_ms += dt_ms
                 if s.num_generated == 0:
                     s.trace.ttft_ms = now_ms
-                self._postprocess(s, tok, now_ms)
+                self._postprocess(s, tok, was_forced, now_ms)
                 if s.status is SequenceStatus.RETRIEVING:
                     hops.append(s)
             if hops:
@@ -132,21 +133,22 @@ class RigEngine:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Sampled token per row, and whether a processor forced it (one finite logit left)."""
         for p in self.processors:
             logits = p.apply(rows, logits)
+        forced = (torch.isfinite(logits).sum(dim=-1) == 1).tolist()
         if self.opts.temperature <= 0:
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1).tolist(), forced
         probs = torch.softmax(logits / self.opts.temperature, dim=-1)
         if self.opts.top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > self.opts.top_p
             probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         # One generator per sequence: a row samples the same tokens whatever batch it is in.
-        return [int(torch.multinomial(probs[i], 1, generator=s.generator)) for i, s in enumerate(rows)]
+        return [int(torch.multinomial(probs[i], 1, generator=s.generator)) for i, s in enumerate(rows)], forced
 
-    def _postprocess(self, s: Sequence, tok: int, now_ms: float) -> None:
-        forced = s.matcher.must_close(self.opts.max_query_tokens)
+    def _postprocess(self, s: Sequence, tok: int, forced: bool, now_ms: float) -> None:
         s.append([tok], sampled=not forced)
         s.num_generated += 1
         s.trace.generated_tokens += 1

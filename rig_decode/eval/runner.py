@@ -1,0 +1,180 @@
+"""``rig eval``: several methods over one dataset in one run, with the same model and retriever.
+
+Methods:
+  none           no retrieval; a plain "answer briefly" instruction
+  rag            retrieve once with the question, evidence in the prompt, then answer
+  rig            this project: the model retrieves when it asks, evidence spliced into the cache
+  rig-reprefill  the same decisions, but every hop re-prefills the whole batch (string-based RIG)
+
+``rig`` and ``rig-reprefill`` run per ``max_iterations`` value; ``none`` and ``rag`` once. Questions
+run in batches of ``batch_size``; the two RIG methods use the same batches, so with greedy decoding
+their answers are identical and only their cost differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from ..engine.engine import RigEngine
+from ..evidence import EvidenceFormatter
+from ..markers import MarkerSpec
+from ..prompt import build_prompt
+from ..session import engine_options
+from ..trace import RetrievalStep, RetrievedDoc, Trace
+from . import metrics as M
+from .datasets import EvalExample
+
+METHODS = ("none", "rag", "rig", "rig-reprefill")
+PLAIN_SYSTEM = "Answer the question in one short sentence."
+RAG_SYSTEM = "Answer the question in one short sentence, using the evidence given with it."
+
+
+@dataclass(frozen=True, slots=True)
+class RunKey:
+    method: str
+    max_iterations: int | None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.max_iterations is None else f"{self.method}@{self.max_iterations}"
+
+
+def plan(methods: list[str], max_iterations: list[int]) -> list[RunKey]:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    keys = []
+    for m in methods:
+        if m in ("none", "rag"):
+            keys.append(RunKey(m, None))
+        else:
+            keys += [RunKey(m, k) for k in max_iterations]
+    return keys
+
+
+class EvalRunner:
+    def __init__(self, config, model, tokenizer, retriever, batch_size: int = 8, progress: bool = True):
+        self.config, self.model, self.tokenizer, self.retriever = config, model, tokenizer, retriever
+        self.batch_size, self.progress = batch_size, progress
+        self.spec = MarkerSpec.from_style(config.rig.marker_style)
+        self.formatter = EvidenceFormatter(tokenizer, config.rig.evidence_token_budget)
+        # Document texts, to judge hops by answer containment where a dataset has no gold doc ids.
+        self.doc_texts = {d.doc_id: d.text for d in getattr(retriever, "docs", [])}
+
+    def run(self, examples: list[EvalExample], keys: list[RunKey]) -> dict[RunKey, dict]:
+        """Per run key: {"records": [...per question...], "wall_s": float}."""
+        return {key: self._run_one(examples, key) for key in keys}
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _engine(self, key: RunKey) -> RigEngine:
+        iters = key.max_iterations if key.max_iterations is not None else 0
+        opts = engine_options(self.config, max_iterations=iters, reprefill=key.method == "rig-reprefill")
+        return RigEngine(self.model, self.tokenizer, self.retriever, opts)
+
+    def _prompt(self, key: RunKey, ex: EvalExample, rag_block: str | None) -> list[int]:
+        if key.method == "none":
+            return build_prompt(self.tokenizer, ex.question, self.spec, PLAIN_SYSTEM)
+        if key.method == "rag":
+            content = f"Evidence:{rag_block}\nQuestion: {ex.question}"
+            return build_prompt(self.tokenizer, [{"role": "system", "content": RAG_SYSTEM},
+                                                 {"role": "user", "content": content}], self.spec)
+        return build_prompt(self.tokenizer, ex.question, self.spec, self.config.rig.system_prompt)
+
+    def _run_one(self, examples: list[EvalExample], key: RunKey) -> dict:
+        engine = self._engine(key)
+        records = []
+        bar = tqdm(total=len(examples), desc=f"{key.label:>16}", disable=not self.progress, unit="q")
+        t_run = time.perf_counter()
+        for start in range(0, len(examples), self.batch_size):
+            batch = examples[start : start + self.batch_size]
+            rag_steps, blocks = self._rag_retrieve(batch) if key.method == "rag" else ([None] * len(batch), [None] * len(batch))
+            seqs = [engine.new_sequence(self._prompt(key, ex, blk), seq_id=start + i, question=ex.question)
+                    for i, (ex, blk) in enumerate(zip(batch, blocks))]
+            engine.generate(seqs)
+            for ex, seq, rag_step in zip(batch, seqs, rag_steps):
+                if rag_step is not None:
+                    seq.trace.retrieval_steps.append(rag_step)
+                    seq.trace.retrieval_ms += rag_step.latency_ms
+                    seq.trace.total_ms += rag_step.latency_ms
+                    seq.trace.evidence_tokens = rag_step.evidence_tokens
+                records.append(self._record(key, ex, seq.matcher.visible_text().strip(), seq.trace))
+            bar.update(len(batch))
+        bar.close()
+        engine.close()
+        return {"records": records, "wall_s": time.perf_counter() - t_run}
+
+    def _rag_retrieve(self, batch: list[EvalExample]):
+        t0 = time.perf_counter()
+        hits = self.retriever.search_batch([ex.question for ex in batch], self.config.retriever.top_k)
+        ms = (time.perf_counter() - t0) * 1e3
+        steps, blocks = [], []
+        for ex, h in zip(batch, hits):
+            block = self.formatter.render_block(h, 1)
+            steps.append(RetrievalStep(1, ex.question, [RetrievedDoc(x.doc_id, x.title, x.score, x.source) for x in h
+                                                        if x.doc_id in block.doc_ids],
+                                       latency_ms=ms, evidence_tokens=len(block.token_ids), batch_size=len(batch)))
+            blocks.append(block.text)
+        return steps, blocks
+
+    def _record(self, key: RunKey, ex: EvalExample, prediction: str, trace: Trace) -> dict:
+        steps = trace.retrieval_steps
+        relevant = [M.hop_is_relevant([d.id for d in s.docs], [self.doc_texts.get(d.id, "") for d in s.docs],
+                                      ex.supporting_docs, ex.answers) for s in steps if s.docs or not s.error]
+        retrieved = {d.id for s in steps for d in s.docs}
+        markers_ok = sum(1 for s in steps if s.error != "empty query") if key.method.startswith("rig") else 0
+        markers_bad = (len(trace.marker_errors) + sum(1 for s in steps if s.error == "empty query")
+                       if key.method.startswith("rig") else 0)
+        answer_tokens = max(1, trace.generated_tokens - trace.marker_tokens)
+        return {
+            "id": ex.id, "method": key.method, "max_iterations": key.max_iterations,
+            "question": ex.question, "answers": ex.answers, "prediction": prediction,
+            "gold_hops": ex.hops, "needs_retrieval": ex.needs_retrieval,
+            "em": M.exact_match(prediction, ex.answers), "f1": M.f1_score(prediction, ex.answers),
+            "accuracy": M.contains_answer(prediction, ex.answers),
+            "hops": len(steps), "relevant_hops": sum(relevant), "judged_hops": len(relevant),
+            "support_recall": (len(retrieved & set(ex.supporting_docs)) / len(ex.supporting_docs)
+                               if ex.supporting_docs else None),
+            "markers_valid": markers_ok, "markers_invalid": markers_bad,
+            "token_overhead": (trace.marker_tokens + trace.evidence_tokens) / answer_tokens,
+            "total_tokens": trace.prompt_tokens + trace.generated_tokens
+                            + (trace.evidence_tokens if key.method != "rag" else 0),
+            "latency_ms": trace.total_ms,
+            "source_claim_without_hop": bool(not steps and M.claims_sources(prediction)),
+            "trace": trace.to_dict(),
+        }
+
+
+def aggregate(records: list[dict], wall_s: float) -> dict:
+    n = len(records)
+    judged = sum(r["judged_hops"] for r in records)
+    recalls = [r["support_recall"] for r in records if r["support_recall"] is not None]
+    no_need = [r for r in records if r["needs_retrieval"] is False]
+    markers = sum(r["markers_valid"] + r["markers_invalid"] for r in records)
+    lat = [r["latency_ms"] for r in records]
+    by_hops: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r["gold_hops"] is not None:
+            by_hops[str(r["gold_hops"])].append(r["accuracy"])
+    return {
+        "n": n,
+        "exact_match": M.mean([r["em"] for r in records]),
+        "f1": M.mean([r["f1"] for r in records]),
+        "accuracy": M.mean([r["accuracy"] for r in records]),
+        "retrieval_precision": sum(r["relevant_hops"] for r in records) / judged if judged else None,
+        "support_recall": M.mean(recalls),
+        "hops_per_question": M.mean([r["hops"] for r in records]),
+        "unnecessary_retrieval_rate": M.mean([float(r["hops"] > 0) for r in no_need]),
+        "marker_validity": sum(r["markers_valid"] for r in records) / markers if markers else None,
+        "token_overhead": M.mean([r["token_overhead"] for r in records]),
+        "total_tokens_per_question": M.mean([r["total_tokens"] for r in records]),
+        "latency_p50_ms": M.percentile(lat, 50),
+        "latency_p95_ms": M.percentile(lat, 95),
+        "wall_s": wall_s,
+        "source_claims_without_hop": M.mean([float(r["source_claim_without_hop"]) for r in records]),
+        "accuracy_by_hops": {k: M.mean(v) for k, v in sorted(by_hops.items())},
+    }
