@@ -49,12 +49,18 @@ def _full_forward_logits(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("style", ["special_token", "json"])
-def test_tiny_model_batched_splice_equals_reprefill(model, tok, style):
+SHARED = "Search for the fact, then answer. The answer is in the evidence. " * 2
+
+
+@pytest.mark.parametrize("style, shared", [("special_token", ""), ("json", ""), ("special_token", SHARED)])
+def test_tiny_model_batched_splice_equals_reprefill(model, tok, style, shared):
+    """``shared``: a common prompt prefix, prefilled once and copied to every row."""
     vocab = MarkerVocab(tok, MarkerSpec.from_style(style))
     script = _script(vocab, tok.eos_token_id)
     rec = LogitRecorder()
-    spliced = _run(model, tok, PROMPTS, script, style=style, recorder=rec)
+    prompts = [shared + p for p in PROMPTS]
+    assert not shared or len(tok.encode(shared)) > 16
+    spliced = _run(model, tok, prompts, script, style=style, recorder=rec)
 
     hops = [s.trace.num_hops for s in spliced]
     assert hops == [2, 1, 3], hops  # the script's hops really happened, at different steps
@@ -69,13 +75,13 @@ def test_tiny_model_batched_splice_equals_reprefill(model, tok, style):
     assert worst <= 1e-4, worst
 
     # (2) the reference engine that re-prefills everything after each hop
-    reference = _run(model, tok, PROMPTS, script, style=style, reprefill=True)
+    reference = _run(model, tok, prompts, script, style=style, reprefill=True)
     for a, b in zip(spliced, reference):
         assert a.token_ids == b.token_ids
         assert a.mask == b.mask
 
     # (3) alone vs in the batch
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         alone = _run(model, tok, [p], script, style=style, seq_ids=[i])[0]
         assert alone.token_ids == spliced[i].token_ids
 

@@ -88,16 +88,14 @@ class RigEngine:
     def generate(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run these sequences to completion as one batch; returns them, finished."""
         t_start = time.perf_counter()
-        self.runner.reset(len(seqs))
         active = list(seqs)
         for s in active:
             s.status = SequenceStatus.RUNNING
-        needs_rebuild = False
+        needs_rebuild = True
         while active:
             t0 = time.perf_counter()
-            if needs_rebuild:  # reference mode: forget the cache, prefill every row's full list
-                self.runner.reset(len(active))
-                logits = self.runner.step([s.token_ids for s in active])
+            if needs_rebuild:  # first step, or reference mode after a hop: prefill full token lists
+                logits = self.runner.prefill([s.token_ids for s in active])
             else:
                 logits = self.runner.step([s.pending for s in active])
             spliced = [len(s.pending) > 1 and s.num_generated > 0 for s in active]
