@@ -89,8 +89,12 @@ def plot(summary: dict[str, dict], keys: list[RunKey], out_dir: Path) -> list[Pa
             if pts[0][0] is None:  # none / rag: no hop budget, a horizontal reference line
                 ax.axhline(pts[0][1] * scale, linestyle="--", label=method,
                            color="grey" if method == "none" else "tab:green")
-            else:
-                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o", label=method)
+            else:  # rig-reprefill has rig's answers: draw it so that both lines stay visible
+                style = dict(marker="s", linestyle=":", markersize=8, fillstyle="none") \
+                    if method == "rig-reprefill" else dict(marker="o")
+                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], label=method, **style)
+        ax.set_xticks(sorted({k.max_iterations for k in keys if k.max_iterations is not None}))
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("max_iterations")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
