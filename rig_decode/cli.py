@@ -126,6 +126,52 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def _embedder(args):
+    from .retrieval.dense import Embedder
+
+    cfg = _load_config(argparse.Namespace(config=args.config))
+    return Embedder(cfg.retriever.embedding_model)
+
+
+def cmd_index_build(args) -> int:
+    from .retrieval.ingest import Chunking, build_index, chunk_document, read_folder
+
+    _quiet_hf()
+    docs = read_folder(args.input)
+    print(f"[rig] read {len(docs)} documents from {args.input}", file=sys.stderr)
+    embedder = _embedder(args)
+    chunking = Chunking(args.words, args.chars, args.overlap)
+    if args.milvus_uri:
+        from .retrieval.milvus import MilvusRetriever
+
+        chunks = [c for d in docs for c in chunk_document(d, chunking)]
+        if args.namespace:
+            for c in chunks:
+                c.metadata["namespace"] = args.namespace
+        store = MilvusRetriever(args.milvus_uri, args.collection, embedder, create_if_missing=True)
+        store.upsert(chunks, embedder.encode([c.embed_text() for c in chunks], progress=True))
+        report = {"milvus": args.milvus_uri, "collection": args.collection, "chunks": len(chunks)}
+    else:
+        report = build_index(docs, embedder, args.out, chunking, args.namespace, replace=args.replace)
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_index_delete(args) -> int:
+    from .retrieval.ingest import build_index
+
+    _quiet_hf()
+    print(json.dumps(build_index([], _embedder(args), args.index, delete=args.ids)))
+    return 0
+
+
+def cmd_index_stats(args) -> int:
+    from .retrieval.store import IndexStore
+
+    print(json.dumps(IndexStore.load(args.index).stats(), indent=1))
+    return 0
+
+
 def cmd_models_pull(args) -> int:
     from .models.embedded import pull
 
@@ -173,6 +219,29 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--scale", type=float, default=1.0)
     syn.set_defaults(func=cmd_synth)
 
+    index = sub.add_parser("index", help="build, update and inspect retrieval indexes")
+    isub = index.add_subparsers(dest="index_command", required=True)
+    build = isub.add_parser("build", help="index a folder of .md/.txt/.jsonl documents (incremental by id)")
+    build.add_argument("--input", required=True, help="a folder or a file")
+    build.add_argument("--out", help="index directory (created, or updated in place atomically)")
+    build.add_argument("--config", help="YAML config (its retriever.embedding_model is used)")
+    build.add_argument("--words", type=int, default=200, help="words per chunk (non-CJK text)")
+    build.add_argument("--chars", type=int, default=400, help="characters per chunk (CJK text)")
+    build.add_argument("--overlap", type=float, default=0.15, help="fraction of a chunk repeated in the next")
+    build.add_argument("--namespace", help="tag every chunk with this namespace (filter on it at search time)")
+    build.add_argument("--replace", action="store_true", help="rebuild from scratch instead of updating")
+    build.add_argument("--milvus-uri", help="load into Milvus instead (a .db file for Milvus Lite, or a server URI)")
+    build.add_argument("--collection", default="rig_decode")
+    build.set_defaults(func=cmd_index_build)
+    delete = isub.add_parser("delete", help="remove documents by id")
+    delete.add_argument("--index", required=True)
+    delete.add_argument("--config")
+    delete.add_argument("ids", nargs="+")
+    delete.set_defaults(func=cmd_index_delete)
+    stats = isub.add_parser("stats", help="documents, chunks, dimension, metadata fields of an index")
+    stats.add_argument("index")
+    stats.set_defaults(func=cmd_index_stats)
+
     models = sub.add_parser("models", help="manage embedded models")
     msub = models.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="fetch and convert an embedded model into the cache (offline of any hub)")
@@ -189,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if getattr(args, "index_command", None) == "build" and not (args.out or args.milvus_uri):
+        print("rig: error: index build needs --out (or --milvus-uri)", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ConfigError, ModelLoadError, RetrievalError, ValueError, RuntimeError) as e:

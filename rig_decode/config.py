@@ -37,15 +37,50 @@ class ModelConfig(_Section):
     seed: int = 0
 
 
+class RerankerConfig(_Section):
+    type: Literal["none", "flashrank"] = "none"
+    model: str = "ms-marco-TinyBERT-L-2-v2"
+    model_dir: str | None = None
+    """Folder holding ``<model>/`` in flashrank's layout (default: <cache>/rerankers). Never downloaded."""
+    top_n: int = Field(3, ge=1)
+    candidates: int = Field(10, ge=1)
+    budget_ms: float = Field(200.0, gt=0)
+
+
+class MilvusConfig(_Section):
+    uri: str = "rig_milvus.db"
+    """A local file (embedded Milvus Lite) or a server URI (http://host:19530)."""
+    collection: str = "rig_decode"
+    token: str | None = None
+
+
 class RetrieverConfig(_Section):
-    type: Literal["faiss"] = "faiss"
+    type: Literal["faiss", "bm25", "hybrid", "milvus"] = "hybrid"
     top_k: int = Field(3, ge=1, le=100)
     score_threshold: float = Field(0.2, ge=-1.0, le=1.0)
+    """Minimum cosine similarity of a dense hit (BM25 hits need a positive score)."""
     embedding_model: str = Field("all-minilm-l6-v2", min_length=1)
     index_path: str | None = None
     """A built index directory. None: the bundled demo knowledge base, indexed on first use."""
     timeout_s: float = Field(10.0, gt=0)
     """A search that takes longer is abandoned; the hop continues with a no-evidence block."""
+    alpha: float = Field(0.7, ge=0.0, le=1.0)
+    """Weight of the dense side in alpha fusion (1 - alpha goes to BM25)."""
+    fusion: Literal["alpha", "rrf"] = "alpha"
+    candidates: int = Field(20, ge=1)
+    """Candidates taken from each side before fusion."""
+    router: bool = True
+    """Shift weight to BM25 for queries with ids, codes, versions, numbers or quoted strings."""
+    router_alpha: float = Field(0.3, ge=0.0, le=1.0)
+    index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
+    ann_threshold: int = Field(50_000, ge=1)
+    """Above this many chunks, ``auto`` uses an approximate (HNSW) index instead of exact search."""
+    query_cache_size: int = Field(1024, ge=0)
+    namespace: str | None = None
+    filters: dict[str, Any] = Field(default_factory=dict)
+    """Applied to every search, e.g. ``{status: active, valid_until: {gte: today}}``."""
+    reranker: RerankerConfig = RerankerConfig()
+    milvus: MilvusConfig = MilvusConfig()
 
 
 class RigLoopConfig(_Section):

@@ -31,6 +31,8 @@ class RetrievalStep:
     """How many queries went to the retriever in the same ``search_batch`` call."""
     error: str | None = None
     fallback: str | None = None
+    info: dict = field(default_factory=dict)
+    """The retriever's decisions for this query: mode, fusion weights, router, rerank."""
 
 
 @dataclass(slots=True)

@@ -120,3 +120,18 @@ def test_sampling_is_seeded_and_batch_independent(model, tok):
     assert batch == run(["hello", "the answer"], [0, 1])
     assert run(["the answer"], [1])[0] == batch[1]
     assert batch[0] != run(["hello"], [5])[0]  # a different seed stream gives different text
+
+
+def test_retriever_decisions_reach_the_trace(model, tok):
+    from rig_decode.retrieval.base import Hit, HitList
+
+    class Deciding:
+        def search_batch(self, queries, top_k, filters=None):
+            return [HitList([Hit("d1", "text", 0.5)], {"mode": "hybrid", "router": "exact terms",
+                                                        "fallback": "dense search failed -> lexical only"})
+                    for _ in queries]
+
+    e = make(model, tok, {0: {0: marker(tok, "E1234")}}, Deciding())
+    step = e.generate([e.new_sequence(tok.encode("q"), 0)])[0].trace.retrieval_steps[0]
+    assert step.info["router"] == "exact terms" and step.fallback.startswith("dense search failed")
+    assert step.error is None and [d.id for d in step.docs] == ["d1"]

@@ -7,7 +7,8 @@ from rig_decode.eval.datasets import EvalExample
 from rig_decode.eval.report import write_outputs
 from rig_decode.eval.runner import EvalRunner, plan
 from rig_decode.retrieval.base import Document
-from rig_decode.retrieval.dense import DenseRetriever, Embedder
+from rig_decode.config import RetrieverConfig
+from rig_decode.retrieval.factory import build_retriever
 
 EXAMPLES = [
     EvalExample("q1", "Which release fixed error E1234?", ["4.2.1"], ["d1"], True, 1),
@@ -21,7 +22,7 @@ DOCS = [Document("d1", "Release 4.2.1 fixed error E1234."), Document("d2", "Priy
 def test_all_methods_end_to_end(model, tok, tmp_path):
     cfg = RigConfig().updated(model={"max_tokens": 12}, rig={"retrieve_first": True, "max_query_tokens": 4,
                                                              "evidence_token_budget": 48})
-    retriever = DenseRetriever.build(DOCS, Embedder())
+    retriever = build_retriever(RetrieverConfig(), cache_dir=tmp_path / "cache", corpus=DOCS)
     keys = plan(["none", "rag", "rig", "rig-reprefill"], [1, 2])
     results = EvalRunner(cfg, model, tok, retriever, batch_size=2, progress=False).run(EXAMPLES, keys)
     data = write_outputs(tmp_path, results, keys, {"dataset": "tiny", "command": "test", "model": "tiny",

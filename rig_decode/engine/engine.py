@@ -196,8 +196,10 @@ class RigEngine:
             step = RetrievalStep(s.matcher.num_markers, s.query, latency_ms=latency_ms,
                                  batch_size=len(searchable), position=len(s.token_ids))
             step.error = error if s.query else "empty query"
-            if step.error:
-                step.fallback = "no-evidence block"
+            step.info = dict(getattr(hits, "info", {}))
+            step.fallback = step.info.get("fallback")
+            if step.error or step.info.get("empty"):
+                step.fallback = "no-evidence block" if step.error else f"{step.fallback}; no-evidence block"
             s.trace.retrieval_steps.append(step)
             s.trace.retrieval_ms += latency_ms
             room = self.runner.context_limit - len(s.token_ids) - 1

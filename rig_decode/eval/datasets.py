@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..retrieval.base import Document
-from ..retrieval.dense import load_documents
+from ..retrieval.ingest import load_documents
 
 
 class DatasetError(ValueError):

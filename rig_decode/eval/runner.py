@@ -63,7 +63,9 @@ class EvalRunner:
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
         self.formatter = EvidenceFormatter(tokenizer, config.rig.evidence_token_budget)
         # Document texts, to judge hops by answer containment where a dataset has no gold doc ids.
-        self.doc_texts = {d.doc_id: d.text for d in getattr(retriever, "docs", [])}
+        self.doc_texts: dict[str, str] = {}
+        for chunk in getattr(retriever, "docs", []):
+            self.doc_texts[chunk.doc_id] = self.doc_texts.get(chunk.doc_id, "") + " " + chunk.text
 
     def run(self, examples: list[EvalExample], keys: list[RunKey]) -> dict[RunKey, dict]:
         """Per run key: {"records": [...per question...], "wall_s": float}."""

@@ -1,3 +1,3 @@
-from .base import Document, Hit, RetrievalError, Retriever
+from .base import Document, Hit, HitList, RetrievalError, Retriever
 
-__all__ = ["Document", "Hit", "RetrievalError", "Retriever"]
+__all__ = ["Document", "Hit", "HitList", "RetrievalError", "Retriever"]

@@ -24,6 +24,15 @@ class Hit:
     source: str = "dense"
 
 
+class HitList(list):
+    """The hits for one query, best first, plus ``info``: what the retriever decided for this query
+    (fusion weights, router reason, reranking, fallbacks), recorded in the hop's trace."""
+
+    def __init__(self, hits=(), info: dict[str, Any] | None = None):
+        super().__init__(hits)
+        self.info = info or {}
+
+
 class RetrievalError(RuntimeError):
     """A retriever that cannot serve: missing or corrupt index, bad embedding model, bad query."""
 
@@ -33,6 +42,6 @@ class Retriever(Protocol):
     def search_batch(
         self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None
     ) -> list[list[Hit]]:
-        """One list of hits per query, best first. Called once per scheduler step for every
-        sequence that is waiting on evidence."""
+        """One list of hits per query, best first (a ``HitList`` may carry per-query decisions).
+        Called once per scheduler step for every sequence that is waiting on evidence."""
         ...

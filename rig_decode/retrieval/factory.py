@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from importlib import resources
 from pathlib import Path
 
 from ..config import RetrieverConfig
-from .base import Document, RetrievalError
-from .dense import DenseRetriever, Embedder, load_documents
+from .base import Document, RetrievalError, Retriever
+from .dense import Embedder
+from .hybrid import IndexRetriever
+from .ingest import Chunking, build_index, load_documents
+from .store import IndexStore
+
+MODES = {"faiss": "dense", "bm25": "lexical", "hybrid": "hybrid"}
 
 
 def demo_corpus_path() -> Path:
@@ -18,31 +22,60 @@ def demo_corpus_path() -> Path:
 
 
 def build_retriever(cfg: RetrieverConfig, cache_dir: Path | None = None,
-                    corpus: list[Document] | None = None) -> DenseRetriever:
-    """``corpus`` (e.g. an eval dataset's documents) overrides ``index_path`` and the demo corpus."""
-    embedder = Embedder(cfg.embedding_model)
-    if corpus is not None:
-        return cached_retriever(corpus, embedder, cfg.score_threshold, "corpus", cache_dir)
-    if cfg.index_path:
-        return DenseRetriever.load(cfg.index_path, embedder, cfg.score_threshold)
-    return cached_retriever(load_documents(demo_corpus_path()), embedder, cfg.score_threshold, "demo", cache_dir)
-
-
-def cached_retriever(docs: list[Document], embedder: Embedder, score_threshold: float, name: str,
-                     cache_dir: Path | None = None) -> DenseRetriever:
-    """An index over ``docs``, built once per (documents, embedder) and kept in the cache."""
+                    corpus: list[Document] | None = None) -> Retriever:
+    """``corpus`` (an eval dataset's documents, one chunk each) overrides ``index_path``; with
+    neither, the bundled demo knowledge base is used."""
     from ..models.embedded import cache_dir as default_cache
 
-    h = hashlib.sha1(embedder.name.encode())
+    cache = cache_dir or default_cache()
+    if cfg.type == "milvus":
+        from .milvus import MilvusRetriever
+
+        return _rerank(MilvusRetriever(cfg.milvus.uri, cfg.milvus.collection, Embedder(cfg.embedding_model),
+                                       token=cfg.milvus.token, score_threshold=cfg.score_threshold), cfg, cache)
+    embedder = Embedder(cfg.embedding_model, cache_size=cfg.query_cache_size)
+    if corpus is not None:
+        store = cached_store(corpus, embedder, "corpus", cache, chunking=None)
+    elif cfg.index_path:
+        store = IndexStore.load(cfg.index_path)
+    else:
+        store = cached_store(load_documents(demo_corpus_path()), embedder, "demo", cache, chunking=None)
+    filters = dict(cfg.filters)
+    if cfg.namespace:
+        filters["namespace"] = cfg.namespace
+    retriever = IndexRetriever(
+        store, embedder, MODES[cfg.type], alpha=cfg.alpha, fusion=cfg.fusion, candidates=cfg.candidates,
+        router=cfg.router, router_alpha=cfg.router_alpha, score_threshold=cfg.score_threshold,
+        default_filters=filters, index_type=cfg.index_type, ann_threshold=cfg.ann_threshold,
+        timeout_s=cfg.timeout_s,
+    )
+    return _rerank(retriever, cfg, cache)
+
+
+def _rerank(retriever: Retriever, cfg: RetrieverConfig, cache: Path) -> Retriever:
+    if cfg.reranker.type == "none":
+        return retriever
+    from .rerank import FlashRankReranker, RerankingRetriever
+
+    reranker = FlashRankReranker(cfg.reranker.model, cfg.reranker.model_dir or cache / "rerankers")
+    return RerankingRetriever(retriever, reranker, cfg.reranker.top_n, cfg.reranker.candidates,
+                              cfg.reranker.budget_ms)
+
+
+def cached_store(docs: list[Document], embedder: Embedder, name: str, cache: Path,
+                 chunking: Chunking | None = Chunking()) -> IndexStore:
+    """An index over ``docs``, built once per (documents, embedder, chunking) and kept in the cache.
+    ``chunking=None`` keeps one chunk per document (corpora that are passage-sized already)."""
+    h = hashlib.sha1(f"{embedder.name}|{chunking}".encode())
     for d in docs:
-        h.update(json.dumps([d.doc_id, d.title, d.text], ensure_ascii=False).encode())
-    path = (cache_dir or default_cache()) / "indexes" / f"{name}-{h.hexdigest()[:12]}"
+        h.update(f"{d.doc_id}\x00{d.title}\x00{d.text}\x00{sorted(d.metadata.items())}\x01".encode())
+    path = cache / "indexes" / f"{name}-{h.hexdigest()[:12]}"
     if path.is_dir():
         try:
-            return DenseRetriever.load(path, embedder, score_threshold)
+            return IndexStore.load(path)
         except RetrievalError as e:
             print(f"[rig] rebuilding the cached index: {e}", file=sys.stderr)
     print(f"[rig] indexing {len(docs)} documents", file=sys.stderr)
-    retriever = DenseRetriever.build(docs, embedder, score_threshold)
-    retriever.save(path)
-    return retriever
+    build_index(docs, embedder, path, chunking or Chunking(words=10**6, chars=10**6), replace=True,
+                progress=len(docs) > 500)
+    return IndexStore.load(path)

@@ -1,0 +1,100 @@
+"""Retrieval quality and batched latency on the shared HotpotQA dev subset.
+
+All context paragraphs of the subset form one corpus (one chunk per paragraph); each question is a
+query, and its supporting paragraphs (by title) are the gold set. For each method: recall@k of the
+gold paragraphs (k = 2, 5, 10, averaged over questions), then milliseconds per query for batches of
+1, 8 and 32 queries (one ``search_batch`` call per batch, median over the whole question set).
+
+    python bench/retrieval.py [--dataset ../shared/data/hotpotqa_dev_100.jsonl]
+                              [--reranker-dir DIR]   # a folder holding a flashrank model
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rig_decode.config import RerankerConfig, RetrieverConfig
+from rig_decode.eval.datasets import load_dataset
+from rig_decode.retrieval.factory import build_retriever
+
+KS = (2, 5, 10)
+BATCHES = (1, 8, 32)
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_100.jsonl"
+
+
+def methods(reranker_dir: str | None) -> dict[str, RetrieverConfig]:
+    base = dict(score_threshold=-1.0, candidates=20)
+    out = {
+        "bm25": RetrieverConfig(type="bm25", **base),
+        "dense": RetrieverConfig(type="faiss", **base),
+        "hybrid (alpha)": RetrieverConfig(type="hybrid", fusion="alpha", **base),
+        "hybrid (rrf)": RetrieverConfig(type="hybrid", fusion="rrf", **base),
+    }
+    if reranker_dir:
+        out["hybrid + rerank"] = RetrieverConfig(
+            type="hybrid", **base,
+            reranker=RerankerConfig(type="flashrank", model_dir=reranker_dir, top_n=10, candidates=20, budget_ms=1e6))
+    return out
+
+
+def recall(retriever, examples, k: int) -> float:
+    hits = retriever.search_batch([e.question for e in examples], k)
+    per_q = [len({h.doc_id for h in hs} & set(e.supporting_docs)) / len(e.supporting_docs)
+             for e, hs in zip(examples, hits)]
+    return sum(per_q) / len(per_q)
+
+
+def ms_per_query(retriever, questions: list[str], batch: int, k: int = 5) -> float:
+    times = []
+    for i in range(0, len(questions) - batch + 1, batch):
+        chunk = questions[i : i + batch]
+        t0 = time.perf_counter()
+        retriever.search_batch(chunk, k)
+        times.append((time.perf_counter() - t0) * 1e3 / batch)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dataset", default=str(DEFAULT_DATA))
+    ap.add_argument("--reranker-dir", default=None)
+    args = ap.parse_args(argv)
+    examples, corpus = load_dataset(args.dataset)
+    questions = [e.question for e in examples]
+    rows = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for name, cfg in methods(args.reranker_dir).items():
+            r = build_retriever(cfg, cache_dir=Path(cache), corpus=corpus)
+            if hasattr(r, "embedder"):  # measure search, not the query-embedding cache
+                r.embedder.cache_size = 0
+            r.search_batch(questions[:4], 5)  # warm-up
+            rows[name] = {f"recall@{k}": recall(r, examples, k) for k in KS}
+            rows[name].update({f"ms@{b}": ms_per_query(r, questions, b) for b in BATCHES})
+            print(f"[bench] {name} done", file=sys.stderr, flush=True)
+    print(f"{len(examples)} questions, {len(corpus)} paragraphs; recall of supporting paragraphs, ms per query")
+    print(f"{'method':<18}" + "".join(f"{'recall@' + str(k):>11}" for k in KS)
+          + "".join(f"{'ms/q @' + str(b):>11}" for b in BATCHES))
+    for name, m in rows.items():
+        print(f"{name:<18}" + "".join(f"{m[f'recall@{k}']:>11.3f}" for k in KS)
+              + "".join(f"{m[f'ms@{b}']:>11.2f}" for b in BATCHES))
+    if not args.reranker_dir:
+        print("hybrid + rerank: not run (no flashrank model folder given with --reranker-dir)")
+    print(json.dumps({
+        "bench": "retrieval", "questions": len(examples), "paragraphs": len(corpus),
+        "recall@5": {n: round(m["recall@5"], 4) for n, m in rows.items()},
+        "ms_per_query": {str(b): {n: round(m[f"ms@{b}"], 3) for n, m in rows.items()} for b in BATCHES},
+        "rows": rows,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
