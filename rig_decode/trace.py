@@ -49,6 +49,10 @@ class Trace:
     decode_ms: float = 0.0
     retrieval_ms: float = 0.0
     splice_ms: float = 0.0
+    queue_ms: float = 0.0
+    """Time waiting for admission (KV budget, batch size)."""
+    parked_ms: float = 0.0
+    """Time parked in RETRIEVING while other rows decoded."""
     total_ms: float = 0.0
     finish_reason: str = ""
 

@@ -1,17 +1,27 @@
-"""The retrieval-interleaved decode loop over a batch of sequences.
+"""The retrieval-interleaved decode loop with continuous batching.
 
-``step()`` is schedule -> run -> postprocess:
+Sequence states::
 
-1. run: one forward over every running row's pending tokens (decode tokens and hop splices mixed,
-   see ``runner_hf``); with ``reprefill=True`` a step that carries a splice instead rebuilds the
-   whole cache from the full token lists, as string-based RIG systems do (the reference mode).
-2. postprocess: logits processors (caller's first, then hop budget / no-stop-in-query / query cap),
-   sampling, marker matching, stop checks.
-3. retrieval: every row that completed a marker this step is RETRIEVING; their queries go to the
-   retriever in ONE ``search_batch`` call, each row's hits become an evidence block, and the block
-   is queued as that row's pending tokens behind the marker-completing token.
+    WAITING --admitted--> RUNNING --marker--> RETRIEVING --evidence--> RUNNING --> FINISHED
+       (queue, KV budget)          (parked; the other rows go on decoding)       (stop, length,
+                                                                                  deadline, cancelled...)
 
-Retrieval here is synchronous within the step (the serving engine moves it off the decode path).
+``step()`` = schedule -> run -> postprocess:
+
+1. schedule: take the evidence the retrieval worker has finished (each becomes that row's pending
+   tokens: the marker-completing token plus the evidence block), give up on searches past their
+   timeout (a no-evidence block, recorded), finish cancelled or overdue requests, drop finished
+   rows from the batch, and admit waiting requests while the KV budget allows.
+2. run: one forward over every RUNNING row's pending tokens (decode tokens, prompts of newcomers
+   and evidence splices mixed, see ``runner_hf``); parked rows feed nothing.
+3. postprocess: logits processors (caller's first, then hop budget / no-stop-in-query / query
+   cap), sampling, marker matching, stop checks. A row that completed a marker is parked and its
+   query handed to the worker, which batches every query waiting for it into one search.
+
+``sync_retrieval`` searches inside the step instead (the decode path waits), for comparison.
+``reprefill`` (reference mode, implies sync retrieval) rebuilds the whole batch's cache from the
+full token lists whenever a row has evidence to add, as string-based RIG systems do.
+
 Errors never stop generation: a failed or timed-out search, an empty or garbled marker, a full
 context: each is recorded in the row's trace, and the row continues with a no-evidence block or
 finishes with a reason.
@@ -19,9 +29,9 @@ finishes with a reason.
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +41,12 @@ from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
 from ..retrieval.base import Hit, Retriever
 from ..trace import RetrievalStep, RetrievedDoc
+from .retrieval_worker import RetrievalResult, RetrievalWorker
 from .runner_hf import HFModelRunner
 from .sequence import Sequence, SequenceStatus
+
+WAITING, RUNNING, RETRIEVING, FINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING,
+                                          SequenceStatus.RETRIEVING, SequenceStatus.FINISHED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +57,7 @@ class EngineOptions:
     marker_style: str = "special_token"
     top_k: int = 3
     retrieval_timeout_s: float = 10.0
+    retrieval_retries: int = 1
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,6 +65,10 @@ class EngineOptions:
     deadline_s: float | None = None
     newline_ends_query: bool = True
     retrieve_first: bool = False
+    max_batch_size: int = 64
+    kv_budget_tokens: int | None = None
+    """Token slots the KV cache may hold (rows x columns); None: unlimited."""
+    sync_retrieval: bool = False
     reprefill: bool = False
     """Reference mode: re-prefill the whole batch after every hop instead of splicing."""
 
@@ -63,14 +82,20 @@ class RigEngine:
         self.stop_ids = _stop_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.runner = HFModelRunner(model, pad)
+        self.runner.reset(0)
         self.processors = [
             *extra_processors,
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
                                self.stop_ids, options.newline_ends_query, options.retrieve_first),
         ]
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rig-retrieval")
+        self.worker = RetrievalWorker(retriever, options.top_k, options.retrieval_retries)
+        self.sync = options.sync_retrieval or options.reprefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # row i of the runner's batch
+        self.num_steps = 0
+        self._lock = threading.Lock()
 
-    # ----------------------------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------------
 
     def new_sequence(self, prompt_ids: list[int], seq_id: int = 0, question: str = "") -> Sequence:
         if not prompt_ids:
@@ -83,53 +108,136 @@ class RigEngine:
             gen = torch.Generator().manual_seed(self.opts.seed + seq_id)
         seq = Sequence(seq_id, list(prompt_ids), MarkerMatcher(self.vocab), self.opts.max_new_tokens, gen)
         seq.trace.question = question
+        budget = self.opts.kv_budget_tokens
+        if budget is not None and self._worst_case(seq) > budget:
+            raise ValueError(f"request needs up to {self._worst_case(seq)} KV tokens "
+                             f"(prompt {len(prompt_ids)}, generation and evidence); the KV budget is {budget}")
         return seq
 
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins the batch at a coming step (thread-safe)."""
+        with self._lock:
+            seq.arrival = time.perf_counter()
+            if self.opts.deadline_s is not None:
+                seq.deadline_at = seq.arrival + self.opts.deadline_s
+            seq.status = WAITING
+            self.waiting.append(seq)
+
+    def cancel(self, seq_id: int) -> bool:
+        """Ask for a sequence to stop; it leaves the batch, and frees its cache, at the next step."""
+        with self._lock:
+            for s in (*self.waiting, *self.running):
+                if s.seq_id == seq_id and not s.is_finished:
+                    s.cancelled = True
+                    return True
+        return False
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
     def generate(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Run these sequences to completion as one batch; returns them, finished."""
-        t_start = time.perf_counter()
-        active = list(seqs)
-        for s in active:
-            s.status = SequenceStatus.RUNNING
-        needs_rebuild = True
-        while active:
-            t0 = time.perf_counter()
-            if needs_rebuild:  # first step, or reference mode after a hop: prefill full token lists
-                logits = self.runner.prefill([s.token_ids for s in active])
-            else:
-                logits = self.runner.step([s.pending for s in active])
-            spliced = [len(s.pending) > 1 and s.num_generated > 0 for s in active]
-            for s in active:
-                s.pending.clear()
-            tokens, forced = self._sample(active, logits)
-            dt_ms = (time.perf_counter() - t0) * 1e3
-            now_ms = (time.perf_counter() - t_start) * 1e3
-            hops: list[Sequence] = []
-            for s, tok, was_forced, was_splice in zip(active, tokens, forced, spliced):
-                if was_splice:
-                    s.trace.splice_ms += dt_ms
-                    s.trace.retrieval_steps[-1].splice_ms = dt_ms
-                elif s.num_generated:
-                    s.trace.decode_ms += dt_ms
-                if s.num_generated == 0:
-                    s.trace.ttft_ms = now_ms
-                self._postprocess(s, tok, was_forced, now_ms)
-                if s.status is SequenceStatus.RETRIEVING:
-                    hops.append(s)
-            if hops:
-                self._retrieve(hops)
-            needs_rebuild = self.opts.reprefill and bool(hops)
-            keep = [i for i, s in enumerate(active) if not s.is_finished]
-            for s in active:
-                if s.is_finished:
-                    s.trace.total_ms = (time.perf_counter() - t_start) * 1e3
-                    s.trace.marker_tokens = s.matcher.num_marker_tokens()
-            active = [active[i] for i in keep]
-            if active and not needs_rebuild:
-                self.runner.select(keep)
+        """Run these sequences to completion (admitted together, as one batch where they fit)."""
+        for s in seqs:
+            self.add(s)
+        while self.has_unfinished:
+            self.step()
         return seqs
 
-    # ----------------------------------------------------------------------------------------------
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        now = time.perf_counter()
+        self._collect(self.worker.poll(), now)
+        self._expire(now)
+        self._evict(now)
+        self._admit(now)
+        ready = [i for i, s in enumerate(self.running) if s.status is RUNNING and s.pending]
+        if not ready:
+            if self.running:  # every row is parked: wait for the worker instead of spinning
+                self.worker.wait(0.05)
+            return
+        rows = [self.running[i] for i in ready]
+        t0 = time.perf_counter()
+        spliced = {s.seq_id for s in rows if len(s.pending) > 1 and s.num_generated > 0}
+        if self.opts.reprefill and spliced:  # reference mode: forget the cache, prefill full lists
+            logits = self.runner.prefill([s.token_ids for s in self.running])
+        else:
+            logits = self.runner.step([s.pending if s.status is RUNNING else [] for s in self.running])
+        for s in rows:
+            s.pending.clear()
+        tokens, forced = self._sample(rows, logits[ready])
+        done = time.perf_counter()
+        dt_ms = (done - t0) * 1e3
+        parked = []
+        for s, tok, was_forced in zip(rows, tokens, forced):
+            if s.seq_id in spliced:
+                s.trace.splice_ms += dt_ms
+                s.trace.retrieval_steps[-1].splice_ms = dt_ms
+            elif s.num_generated:
+                s.trace.decode_ms += dt_ms
+            else:
+                s.trace.ttft_ms = (done - s.arrival) * 1e3
+            self._postprocess(s, tok, was_forced)
+            if s.status is RETRIEVING:
+                parked.append(s)
+        self._park(parked, done)
+        self.runner.compact()
+        self.num_steps += 1
+
+    # -- schedule -----------------------------------------------------------------------------------
+
+    def _worst_case(self, s: Sequence) -> int:
+        return len(s.prompt_ids) + s.max_new_tokens + self.opts.max_iterations * (self.opts.evidence_token_budget + 1)
+
+    def _admit(self, now: float) -> None:
+        budget, new = self.opts.kv_budget_tokens, []
+        with self._lock:
+            while self.waiting and len(self.running) + len(new) < self.opts.max_batch_size:
+                s = self.waiting[0]
+                if budget is not None:
+                    rows = len(self.running) + len(new) + 1
+                    widest = max(self._worst_case(x) for x in (*self.running, *new, s))
+                    if rows * widest > budget and (self.running or new):
+                        break  # queue it: the batch is full for this budget
+                new.append(self.waiting.popleft())
+        if not new:
+            return
+        for s, rest in zip(new, self.runner.add_rows([s.prompt_ids for s in new])):
+            s.status, s.pending = RUNNING, list(rest)
+            s.trace.queue_ms = (now - s.arrival) * 1e3
+            self.running.append(s)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            for s in list(self.waiting):
+                if s.cancelled or (s.deadline_at is not None and now > s.deadline_at):
+                    self.waiting.remove(s)
+                    self._finish(s, "cancelled" if s.cancelled else "deadline", now)
+        for s in self.running:
+            if s.is_finished:
+                continue
+            if s.cancelled:
+                self._finish(s, "cancelled", now)
+            elif s.deadline_at is not None and now > s.deadline_at:
+                self._finish(s, "deadline", now)
+            elif s.status is RETRIEVING and now - s.parked_at > self.opts.retrieval_timeout_s:
+                self._splice(s, [], f"retriever timed out after {self.opts.retrieval_timeout_s:g}s", now,
+                             latency_ms=(now - s.parked_at) * 1e3)
+
+    def _evict(self, now: float) -> None:
+        keep = [i for i, s in enumerate(self.running) if not s.is_finished]
+        if len(keep) != len(self.running):
+            self.runner.select(keep)
+            self.running = [self.running[i] for i in keep]
+
+    def _finish(self, s: Sequence, reason: str, now: float) -> None:
+        s.ticket = 0  # a search still in flight is dropped when it returns
+        s.finish(reason)
+        s.trace.total_ms = (now - s.arrival) * 1e3
+        s.trace.marker_tokens = s.matcher.num_marker_tokens()
+
+    # -- postprocess --------------------------------------------------------------------------------
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[bool]]:
         """Sampled token per row, and whether a processor forced it (one finite logit left)."""
@@ -146,78 +254,85 @@ class RigEngine:
         # One generator per sequence: a row samples the same tokens whatever batch it is in.
         return [int(torch.multinomial(probs[i], 1, generator=s.generator)) for i, s in enumerate(rows)], forced
 
-    def _postprocess(self, s: Sequence, tok: int, forced: bool, now_ms: float) -> None:
+    def _postprocess(self, s: Sequence, tok: int, forced: bool) -> None:
+        now = time.perf_counter()
         s.append([tok], sampled=not forced)
         s.num_generated += 1
         s.trace.generated_tokens += 1
         if tok in self.stop_ids:
-            s.finish("stop")
+            self._finish(s, "stop", now)
             return
         for ev in s.matcher.feed(tok):
             if ev.kind == "error":
                 s.trace.marker_errors.append(ev.error)
-            elif s.status is SequenceStatus.RUNNING:
-                s.status, s.query = SequenceStatus.RETRIEVING, ev.query
+            elif s.status is RUNNING:
+                s.status, s.query = RETRIEVING, ev.query
             else:
                 s.trace.marker_errors.append("a second marker in the same token was ignored")
-        if s.status is SequenceStatus.RETRIEVING and s.num_generated >= s.max_new_tokens:
+        if s.status is RETRIEVING and s.num_generated >= s.max_new_tokens:
             s.trace.retrieval_steps.append(RetrievalStep(
                 s.matcher.num_markers, s.query, error="token limit reached at the marker; no retrieval"))
-            s.finish("length")
+            self._finish(s, "length", now)
         elif s.num_generated >= s.max_new_tokens:
-            s.finish("length")
+            self._finish(s, "length", now)
         elif len(s.token_ids) >= self.runner.context_limit:
-            s.finish("context_full")
-        elif self.opts.deadline_s is not None and now_ms > self.opts.deadline_s * 1e3:
-            s.finish("deadline")
+            self._finish(s, "context_full", now)
+        elif s.deadline_at is not None and now > s.deadline_at:
+            self._finish(s, "deadline", now)
 
-    def _retrieve(self, rows: list[Sequence]) -> None:
-        """One batched search for every row that completed a marker, then queue the evidence."""
-        searchable = [s for s in rows if s.query]
-        results: dict[int, list[Hit]] = {}
-        error, latency_ms = None, 0.0
-        if searchable and self.retriever is None:
-            error = "no retriever configured"
-        elif searchable:
-            t0 = time.perf_counter()
-            future = self._pool.submit(self.retriever.search_batch, [s.query for s in searchable], self.opts.top_k)
-            try:
-                hits = future.result(timeout=self.opts.retrieval_timeout_s)
-                if len(hits) != len(searchable):
-                    raise RuntimeError(f"retriever returned {len(hits)} result lists for {len(searchable)} queries")
-                results = {s.seq_id: h for s, h in zip(searchable, hits)}
-            except FutureTimeout:
-                error = f"retriever timed out after {self.opts.retrieval_timeout_s:g}s"
-            except Exception as e:  # noqa: BLE001 - any retriever failure becomes a recorded, empty hop
-                error = f"retriever failed: {type(e).__name__}: {e}"
-            latency_ms = (time.perf_counter() - t0) * 1e3
-        for s in rows:
-            hits = results.get(s.seq_id, [])
-            step = RetrievalStep(s.matcher.num_markers, s.query, latency_ms=latency_ms,
-                                 batch_size=len(searchable), position=len(s.token_ids))
-            step.error = error if s.query else "empty query"
-            step.info = dict(getattr(hits, "info", {}))
-            step.fallback = step.info.get("fallback")
-            if step.error or step.info.get("empty"):
-                step.fallback = "no-evidence block" if step.error else f"{step.fallback}; no-evidence block"
-            s.trace.retrieval_steps.append(step)
-            s.trace.retrieval_ms += latency_ms
-            room = self.runner.context_limit - len(s.token_ids) - 1
-            try:
-                block = self.formatter.render_block(hits, step.round, budget=room)
-            except ValueError:
-                step.error = "context full: no room for evidence"
-                s.finish("context_full")
-                continue
-            step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source) for h in hits
-                         if h.doc_id in block.doc_ids]
-            step.evidence_tokens = len(block.token_ids)
-            s.trace.evidence_tokens += len(block.token_ids)
-            s.append(block.token_ids, sampled=False)
-            s.status, s.query = SequenceStatus.RUNNING, None
+    def _park(self, parked: list[Sequence], now: float) -> None:
+        """Hand the parked rows' queries to the worker (an empty query gets no search)."""
+        for s in parked:
+            s.parked_at = now
+            if s.query:
+                s.ticket = self.worker.submit(s.seq_id, s.query)
+            else:
+                self._splice(s, [], "empty query", now)
+        if self.sync:  # the decode path waits for this step's searches
+            waiting = [s for s in parked if s.status is RETRIEVING]
+            limit = now + self.opts.retrieval_timeout_s
+            while any(s.status is RETRIEVING for s in waiting) and time.perf_counter() < limit:
+                self.worker.wait(max(0.0, limit - time.perf_counter()))
+                self._collect(self.worker.poll(), time.perf_counter())
+            self._expire(time.perf_counter())
+
+    def _collect(self, results: list[RetrievalResult], now: float) -> None:
+        by_ticket = {s.ticket: s for s in self.running if s.status is RETRIEVING and s.ticket}
+        for r in results:
+            s = by_ticket.get(r.ticket)
+            if s is not None:  # else: the sequence gave up on it (timeout, cancel, deadline)
+                self._splice(s, r.hits, r.error, now, r.latency_ms, r.batch_size, r.attempts)
+
+    def _splice(self, s: Sequence, hits: list[Hit], error: str | None, now: float, latency_ms: float = 0.0,
+                batch_size: int = 0, attempts: int = 0) -> None:
+        """Queue the evidence block behind the marker-completing token; the row runs again."""
+        step = RetrievalStep(s.matcher.num_markers, s.query or "", latency_ms=latency_ms, batch_size=batch_size,
+                             position=len(s.token_ids), error=error)
+        step.info = dict(getattr(hits, "info", {}))
+        if attempts > 1:
+            step.info["attempts"] = attempts
+        step.fallback = step.info.get("fallback")
+        if error or step.info.get("empty"):
+            step.fallback = "no-evidence block" if error else f"{step.fallback}; no-evidence block"
+        s.trace.retrieval_steps.append(step)
+        s.trace.retrieval_ms += latency_ms
+        s.trace.parked_ms += (now - s.parked_at) * 1e3
+        s.ticket = 0
+        room = self.runner.context_limit - len(s.token_ids) - 1
+        try:
+            block = self.formatter.render_block(hits, step.round, budget=room)
+        except ValueError:
+            step.error = "context full: no room for evidence"
+            self._finish(s, "context_full", now)
+            return
+        step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source) for h in hits if h.doc_id in block.doc_ids]
+        step.evidence_tokens = len(block.token_ids)
+        s.trace.evidence_tokens += len(block.token_ids)
+        s.append(block.token_ids, sampled=False)
+        s.status, s.query = RUNNING, None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.worker.close()
 
 
 def _stop_ids(model, tokenizer) -> list[int]:

@@ -1,19 +1,26 @@
 """Batched forward passes over one HuggingFace ``DynamicCache`` with ragged rows.
 
-Every step each row feeds the tokens it has pending: one sampled token when decoding, or the
+Every step each row feeds the tokens it has pending: one sampled token when decoding, the
 marker-completing token plus a whole evidence block after a hop (a prefill at an offset, never one
-token per step). Rows are left-padded to the longest pending list, so every row's last real token
-sits in the last column and one ``logits_to_keep=1`` head call serves all of them.
+token per step), a whole prompt when it has just joined, or nothing while it waits for evidence.
+Rows are left-padded to the longest pending list, so every row's last real token sits in the last
+column and one ``logits_to_keep=1`` head call serves all of them.
 
 Padding leaves holes in the cache columns. The runner keeps a 2-D attention mask over all columns
 (0 for holes) and passes explicit per-row ``position_ids`` that count real tokens only, so each row
 computes exactly what it would compute alone: that is the splice == re-prefill invariant. While no
-row has a hole the mask is dropped and attention takes its plain causal path.
+row has a hole the mask is dropped and attention takes its plain causal path. Keys carry their
+rotary position already, so attention does not care which column holds a key: ``compact`` moves
+every row's tokens to the right end and drops the columns that became all holes.
 
-When some rows splice while others decode, padding every decode row to the evidence length would
-multiply the step's work by the batch size. Such a step runs in two forwards instead: every row's
-first pending token over the whole batch (a plain decode step), then the splicing rows' remaining
-tokens over a copy of just their cache rows, whose new columns are written back (holes elsewhere).
+When some rows feed many tokens while others feed one, padding the one-token rows would multiply
+the step's work. Such a step runs as two forwards: every row's first pending token over the whole
+batch (a plain decode step), then the long rows' remaining tokens over a copy of just their cache
+rows, whose new columns are written back (holes elsewhere).
+
+Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
+it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
+starts the same way, so a new row is seeded with the longest common prefix and prefills the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from transformers import DynamicCache
 
 class HFModelRunner:
     MIN_SHARED_PREFIX = 16
+    COMPACT_AT = 0.25  # compact once this share of the cache's slots are holes
 
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id = model, pad_id
@@ -32,49 +40,133 @@ class HFModelRunner:
         self.attn: torch.Tensor | None = None  # [B, columns], 1 = real token
         self.lengths: list[int] = []  # real tokens each row has in the cache
         self.has_holes = False
-        self._prefix: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property
     def context_limit(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
-    def reset(self, batch_size: int) -> None:
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_columns(self) -> int:
+        return 0 if self.attn is None else self.attn.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots the cache holds (rows x columns), holes included: what memory is spent on."""
+        return self.batch_size * self.num_columns
+
+    def reset(self, batch_size: int = 0) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.attn = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = [0] * batch_size
         self.has_holes = False
 
+    # -- adding rows --------------------------------------------------------------------------------
+
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Reset to ``len(prompts)`` rows and prefill them. The prefix all prompts share (the system
-        prompt, typically) is computed once, kept for the next batch, and copied to every row."""
-        self.reset(len(prompts))
-        shared = _common_prefix(prompts)
-        shared = shared[: min(len(p) for p in prompts) - 1]
-        if len(shared) < self.MIN_SHARED_PREFIX:
-            return self.step(prompts)
-        if self._prefix is None or self._prefix[0] != tuple(shared):
-            one = DynamicCache(config=self.model.config)
-            self.model(input_ids=torch.tensor([shared], device=self.device), cache=one, use_cache=True,
-                       logits_to_keep=1)
-            self._prefix = (tuple(shared), [(layer.keys, layer.values) for layer in one.layers])
-        batch = len(prompts)
+        """Reset to these prompts and prefill them; fp32 logits ``[B, vocab]`` after each."""
+        self.reset(0)
+        return self.step(self.add_rows(prompts))
+
+    @torch.no_grad()
+    def add_rows(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Append one row per prompt, seeded with the shared prefix where it applies; returns
+        what each new row still has to feed (the rest of its prompt)."""
+        if self.cache is None:
+            self.reset(0)
+        # The part all new prompts share (a lone prompt: all of it but the last token) becomes the
+        # cached prefix; only what the cache does not hold yet is computed.
+        shared = _common_prefix(prompts)[: min(len(p) for p in prompts) - 1]
+        if len(shared) >= self.MIN_SHARED_PREFIX and len(shared) > self._cached(shared):
+            self._compute_prefix(shared)
+        seeds = [min(self._cached(p), len(p) - 1) for p in prompts]  # every row feeds >= 1 token
+        seeds = [n if n >= self.MIN_SHARED_PREFIX else 0 for n in seeds]
+        first, n_new, width = self.batch_size, len(prompts), max(seeds)
+        self._grow(n_new, left=max(0, width - self.num_columns))
+        if width:
+            cols = self.num_columns
+            for layer, (k, v) in zip(self.cache.layers, self._prefix[1]):
+                keys, values = layer.keys, layer.values
+                for j, n in enumerate(seeds):
+                    if n:
+                        keys[first + j, :, cols - n :] = k[0, :, :n]
+                        values[first + j, :, cols - n :] = v[0, :, :n]
+            for j, n in enumerate(seeds):
+                if n:
+                    self.attn[first + j, cols - n :] = 1
+                    self.lengths[first + j] = n
+        self.has_holes = self.has_holes or not bool(self.attn.all())
+        return [p[n:] for p, n in zip(prompts, seeds)]
+
+    def _cached(self, ids: list[int]) -> int:
+        """How many leading tokens of ``ids`` the cached prefix holds."""
+        return 0 if self._prefix is None else len(_common_prefix([self._prefix[0], ids]))
+
+    def _compute_prefix(self, ids: list[int]) -> None:
+        """Cache the KV of ``ids``, extending the cached prefix they share (if any)."""
+        known = self._cached(ids)
+        one = DynamicCache(config=self.model.config)
+        if known:
+            for layer, (k, v) in zip(one.layers, self._prefix[1]):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k[:, :, :known], v[:, :, :known]
+        self.model(input_ids=torch.tensor([ids[known:]], device=self.device),
+                   position_ids=torch.arange(known, len(ids), device=self.device)[None],
+                   cache=one, use_cache=True, logits_to_keep=1)
+        self._prefix = (list(ids), [(layer.keys, layer.values) for layer in one.layers])
+
+    def _grow(self, rows: int, left: int) -> None:
+        """Add ``rows`` rows of holes, and ``left`` hole columns in front of every row."""
+        if rows == 0 and left == 0:
+            return
+        if self.cache.get_seq_length() == 0:  # nothing cached yet: no tensors to grow
+            if left:
+                self._materialise(self.batch_size + rows, left)
+            else:
+                self.attn = torch.zeros(self.batch_size + rows, 0, dtype=torch.long, device=self.device)
+        else:
+            for layer in self.cache.layers:
+                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, left, 0, 0, 0, 0, rows))
+                layer.values = torch.nn.functional.pad(layer.values, (0, 0, left, 0, 0, 0, 0, rows))
+            self.attn = torch.nn.functional.pad(self.attn, (left, 0, 0, rows))
+        self.lengths += [0] * rows
+
+    def _materialise(self, batch: int, columns: int) -> None:
+        k0, v0 = self._prefix[1][0]
         for layer, (k, v) in zip(self.cache.layers, self._prefix[1]):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
-        self.attn = torch.ones(batch, len(shared), dtype=torch.long, device=self.device)
-        self.lengths = [len(shared)] * batch
-        return self.step([p[len(shared):] for p in prompts])
+            shape = (batch, k.shape[1], columns, k.shape[3])
+            keys, values = k.new_zeros(shape), v.new_zeros(shape)
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        self.attn = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
+
+    # -- stepping -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, rows: list[list[int]]) -> torch.Tensor:
-        """Feed each row its tokens; returns fp32 logits ``[B, vocab]`` after each row's last one."""
-        assert self.cache is not None and len(rows) == len(self.lengths), "reset() the runner first"
-        splicing = [i for i, r in enumerate(rows) if len(r) > 1]
-        if not splicing or len(splicing) == len(rows) or self.cache.get_seq_length() == 0:
+        """Feed each row its tokens (a row may feed none); fp32 logits ``[B, vocab]`` after each
+        row's last token (rows that fed nothing get meaningless logits)."""
+        assert self.cache is not None and len(rows) == self.batch_size, "rows must match the batch"
+        lens = [len(r) for r in rows]
+        if not any(lens):
+            raise ValueError("no row has anything to feed")
+        long = [i for i, n in enumerate(lens) if n > 1]
+        singles = [i for i, n in enumerate(lens) if n == 1]
+        uniform = len(set(lens)) == 1
+        if not long or uniform or self.cache.get_seq_length() == 0:
             return self._forward_all(rows)
-        logits = self._forward_all([r[:1] for r in rows])
-        logits[splicing] = self._forward_rows(splicing, [rows[i][1:] for i in splicing])
+        if singles:
+            logits = self._forward_all([r[:1] for r in rows])
+            logits[long] = self._forward_rows(long, [rows[i][1:] for i in long])
+            return logits
+        sub = self._forward_rows(long, [rows[i] for i in long])
+        logits = sub.new_zeros(self.batch_size, sub.shape[-1])
+        logits[long] = sub
         return logits
 
     def _inputs(self, rows: list[list[int]], lengths: list[int]):
@@ -118,7 +210,7 @@ class HFModelRunner:
                 grown = torch.nn.functional.pad(getattr(full, name), (0, 0, 0, width))
                 grown[index, :, -width:] = getattr(layer, name)[:, :, -width:]
                 setattr(full, name, grown)
-        block = torch.zeros((len(self.lengths), width), dtype=torch.long, device=self.device)
+        block = torch.zeros((self.batch_size, width), dtype=torch.long, device=self.device)
         block[index] = new_mask
         self.attn = torch.cat([self.attn, block], dim=1)
         self.has_holes = True
@@ -126,24 +218,41 @@ class HFModelRunner:
             self.lengths[i] += len(r)
         return out.logits[:, -1, :].float()
 
+    # -- removing rows and holes --------------------------------------------------------------------
+
     def select(self, keep: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch and free their cache)."""
-        if keep == list(range(len(self.lengths))):
+        if keep == list(range(self.batch_size)):
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if keep:
+        if keep and self.cache.get_seq_length():
             self.cache.batch_select_indices(idx)
         self.attn = self.attn.index_select(0, idx)
         self.lengths = [self.lengths[i] for i in keep]
-        # Columns that are holes in every remaining row carry nothing: drop them.
-        live = self.attn.any(dim=0)
-        if keep and not bool(live.all()):
-            cols = live.nonzero().squeeze(1)
-            for layer in self.cache.layers:
-                layer.keys = layer.keys.index_select(-2, cols)
-                layer.values = layer.values.index_select(-2, cols)
-            self.attn = self.attn.index_select(1, cols)
-        self.has_holes = not bool(self.attn.all()) if keep else False
+        if not keep:
+            self.reset(0)
+            return
+        self.compact(force=True)
+
+    def compact(self, force: bool = False) -> None:
+        """Right-align every row's tokens and drop the columns left empty (when holes pass
+        ``COMPACT_AT`` of the slots, or always with ``force``)."""
+        if not self.batch_size or not self.num_columns:
+            return
+        holes = self.num_slots - sum(self.lengths)
+        if holes == 0 or (not force and holes < self.COMPACT_AT * self.num_slots):
+            return
+        width = max(self.lengths)
+        # For each row, the source column of each target column (right-aligned), 0 for holes.
+        order = torch.argsort(self.attn, dim=1, stable=True)[:, -width:]  # real columns last, in order
+        new_mask = torch.gather(self.attn, 1, order)
+        gather = order[:, None, :, None]
+        for layer in self.cache.layers:
+            g = gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = torch.gather(layer.keys, 2, g)
+            layer.values = torch.gather(layer.values, 2, g)
+        self.attn = new_mask
+        self.has_holes = not bool(new_mask.all())
 
 
 def _common_prefix(rows: list[list[int]]) -> list[int]:

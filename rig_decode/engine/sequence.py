@@ -19,9 +19,9 @@ from ..trace import Trace
 
 
 class SequenceStatus(Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # queued, not in the batch yet
     RUNNING = "running"
-    RETRIEVING = "retrieving"
+    RETRIEVING = "retrieving"  # in the batch, parked until its evidence arrives
     FINISHED = "finished"
 
 
@@ -41,6 +41,13 @@ class Sequence:
     query: str | None = None
     """The query of the marker just completed, while the sequence is RETRIEVING."""
     trace: Trace = field(default_factory=Trace)
+    arrival: float = 0.0
+    """``time.perf_counter()`` when the engine received it."""
+    deadline_at: float | None = None
+    ticket: int = 0
+    """The retrieval worker's ticket of the search this sequence waits for (0: none)."""
+    parked_at: float = 0.0
+    cancelled: bool = False
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
