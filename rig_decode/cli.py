@@ -118,6 +118,15 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .engine.kv import parse_bytes, plan_memory
+
+    plan = plan_memory(args.model, parse_bytes(args.gpu_mem), args.quantization, args.dtype, args.kv_dtype,
+                       parse_bytes(args.overhead))
+    print(json.dumps(plan.to_dict()) if args.json else plan.table())
+    return 0
+
+
 def cmd_synth(args) -> int:
     from .eval.synth import write
 
@@ -212,6 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the metrics")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
+
+    pl = sub.add_parser("plan", help="what fits in GPU memory: weights, KV bytes per token, KV token budget")
+    pl.add_argument("--model", required=True, help="qwen2.5-32b, Qwen/Qwen2.5-32B-Instruct, or a config.json path")
+    pl.add_argument("--gpu-mem", required=True, help="e.g. 24GB")
+    pl.add_argument("--quantization", default="nf4", choices=["nf4", "none"])
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"])
+    pl.add_argument("--overhead", default="1.5GB", help="CUDA context, activations, allocator slack")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     syn = sub.add_parser("synth", help="write the synthetic multi-hop benchmark (corpus + train/dev/test)")
     syn.add_argument("--out", required=True)

@@ -101,6 +101,16 @@ class RigLoopConfig(_Section):
     """Wall-clock limit per request; past it the request finishes with what it has."""
 
 
+class EngineConfig(_Section):
+    max_batch_size: int = Field(16, ge=1)
+    kv_budget: Literal["auto"] | int | None = "auto"
+    """KV-cache token slots: ``auto`` (from the memory left after loading the model), a number, or
+    null (no limit). Requests beyond it wait in the queue."""
+    retrieval_retries: int = Field(1, ge=0, le=10)
+    sync_retrieval: bool = False
+    """Search inside the decode step (the other rows wait); for comparison only."""
+
+
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -112,6 +122,7 @@ class RigConfig(_Section):
     model: ModelConfig = ModelConfig()
     retriever: RetrieverConfig = RetrieverConfig()
     rig: RigLoopConfig = RigLoopConfig()
+    engine: EngineConfig = EngineConfig()
     server: ServerConfig = ServerConfig()
 
     @classmethod

@@ -13,7 +13,13 @@ from .retrieval.base import Retriever
 from .trace import Trace
 
 
-def engine_options(cfg: RigConfig, **overrides) -> EngineOptions:
+def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
+    """Engine options from a config; ``model`` resolves ``engine.kv_budget: auto``."""
+    budget = cfg.engine.kv_budget
+    if budget == "auto":
+        from .engine.kv import auto_kv_budget
+
+        budget = auto_kv_budget(model) if model is not None else None
     opts = dict(
         max_iterations=cfg.rig.max_iterations,
         max_query_tokens=cfg.rig.max_query_tokens,
@@ -28,6 +34,10 @@ def engine_options(cfg: RigConfig, **overrides) -> EngineOptions:
         deadline_s=cfg.rig.deadline_s,
         newline_ends_query=cfg.rig.newline_ends_query,
         retrieve_first=cfg.rig.retrieve_first,
+        max_batch_size=cfg.engine.max_batch_size,
+        kv_budget_tokens=budget,
+        retrieval_retries=cfg.engine.retrieval_retries,
+        sync_retrieval=cfg.engine.sync_retrieval,
     )
     opts.update(overrides)
     return EngineOptions(**opts)
@@ -51,7 +61,7 @@ class RigSession:
             retriever = build_retriever(config.retriever)
         self.model, self.tokenizer, self.retriever = model, tokenizer, retriever
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
-        self.engine = RigEngine(model, tokenizer, retriever, engine_options(config, reprefill=reprefill))
+        self.engine = RigEngine(model, tokenizer, retriever, engine_options(config, model, reprefill=reprefill))
 
     def prompt_ids(self, question) -> list[int]:
         return build_prompt(self.tokenizer, question, self.spec, self.config.rig.system_prompt)

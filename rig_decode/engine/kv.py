@@ -151,3 +151,40 @@ def parse_bytes(text: str) -> int:
         if t.endswith(unit):
             return int(float(t[: -len(unit)]) * mult)
     return int(t)
+
+
+def kv_bytes_per_token_of(model) -> int:
+    """KV bytes per token of a loaded HF model (its config and its compute dtype)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    dtype = next(model.parameters()).dtype
+    itemsize = 2 if dtype.itemsize < 2 else dtype.itemsize  # 4-bit weights compute in 16 bits
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def available_memory(device) -> int:
+    """Bytes free for the KV cache now: CUDA's free memory, or the host's MemAvailable."""
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GiB
+
+
+def auto_kv_budget(model, fraction: float | None = None) -> int:
+    """Token slots for the KV cache: a share of the memory left after loading the model (90% of a
+    GPU's free memory, a quarter of the host's available memory on CPU)."""
+    device = next(model.parameters()).device
+    if fraction is None:
+        fraction = 0.9 if device.type == "cuda" else 0.25
+    return int(available_memory(device) * fraction) // kv_bytes_per_token_of(model)

@@ -75,7 +75,8 @@ class EvalRunner:
 
     def _engine(self, key: RunKey) -> RigEngine:
         iters = key.max_iterations if key.max_iterations is not None else 0
-        opts = engine_options(self.config, max_iterations=iters, reprefill=key.method == "rig-reprefill")
+        opts = engine_options(self.config, self.model, max_iterations=iters,
+                              reprefill=key.method == "rig-reprefill", max_batch_size=self.batch_size)
         return RigEngine(self.model, self.tokenizer, self.retriever, opts)
 
     def _prompt(self, key: RunKey, ex: EvalExample, rag_block: str | None) -> list[int]:

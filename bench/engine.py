@@ -1,0 +1,132 @@
+"""Serving throughput: continuous batching with retrieval off the decode path.
+
+A mixed workload of ``--requests`` questions over the demo knowledge base: request i makes i % 4
+hops (0 to 3), its markers placed at fixed steps so that every concurrency level does the same work
+(the decoding around them is the model's own, greedy). All requests are queued at once; the
+engine keeps at most ``concurrency`` of them in the batch. Retrieval is the real hybrid search over
+the demo index, plus ``--retrieval-latency-ms`` of simulated network time (a remote index or
+reranker), once per search call.
+
+For each concurrency: aggregate generated tokens per second, p50/p95 request latency, mean time a
+request spent parked waiting for evidence. Then the same workload at concurrency 8 with retrieval
+forced onto the decode path (``sync_retrieval``): every search stalls the whole batch.
+
+    python bench/engine.py [--requests 16] [--concurrency 1,4,8,16] [--retrieval-latency-ms 150]
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from rig_decode.config import ModelConfig, RetrieverConfig
+from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.markers import MarkerSpec, MarkerVocab
+from rig_decode.models.loader import load_model
+from rig_decode.prompt import build_prompt
+from rig_decode.retrieval.factory import build_retriever
+
+QUESTIONS = [
+    "Which release fixed error E1234 and who approved it?",
+    "Who approved the release of Helios Gateway that fixed error E2071?",
+    "Which office does the person who approved Helios Gateway 4.2.1 work from?",
+    "What priority does the Northwind Logistics contract give to data loss in the request journal?",
+]
+QUERIES = ["error E1234 fixed in release", "release 4.2.1 approved by", "Priya Raman office"]
+HOP_STEPS = (3, 19, 35)
+
+
+class ForcedHops:
+    """Writes request i's markers (i % 4 of them) at fixed steps; everything else is the model's."""
+
+    def __init__(self, vocab: MarkerVocab, hops: dict[int, int]):
+        self.hops = hops
+        self.ids = [vocab.marker_token_ids(q) for q in QUERIES]
+
+    def apply(self, rows, scores):
+        for i, seq in enumerate(rows):
+            for h in range(self.hops.get(seq.seq_id, 0)):
+                k = seq.num_generated - HOP_STEPS[h]
+                if 0 <= k < len(self.ids[h]):
+                    scores[i].fill_(float("-inf"))
+                    scores[i, self.ids[h][k]] = 0.0
+        return scores
+
+
+class Latency:
+    def __init__(self, base, ms: float):
+        self.base, self.s = base, ms / 1e3
+
+    def search_batch(self, queries, top_k, filters=None):
+        time.sleep(self.s)
+        return self.base.search_batch(queries, top_k, filters)
+
+
+def run(model, tok, retriever, n_requests: int, concurrency: int, max_new: int, sync: bool) -> dict:
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    hops = {i: i % 4 for i in range(n_requests)}
+    opts = EngineOptions(max_iterations=3, max_new_tokens=max_new, evidence_token_budget=128, top_k=2,
+                         max_batch_size=concurrency, sync_retrieval=sync, retrieval_timeout_s=30)
+    engine = RigEngine(model, tok, retriever, opts, extra_processors=[ForcedHops(vocab, hops)], vocab=vocab)
+    spec = MarkerSpec.special_token()
+    seqs = [engine.new_sequence(build_prompt(tok, QUESTIONS[i % len(QUESTIONS)], spec), seq_id=i)
+            for i in range(n_requests)]
+    t0 = time.perf_counter()
+    for s in seqs:
+        engine.add(s)
+    while engine.has_unfinished:
+        engine.step()
+    wall = time.perf_counter() - t0
+    engine.close()
+    lat = [s.trace.total_ms for s in seqs]
+    tokens = sum(s.trace.generated_tokens for s in seqs)
+    assert sum(s.trace.num_hops for s in seqs) == sum(hops.values()), "a forced hop did not happen"
+    return {"concurrency": concurrency, "sync_retrieval": sync, "requests": n_requests, "tokens": tokens,
+            "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2),
+            "p50_ms": round(statistics.median(lat)), "p95_ms": round(float(np.percentile(lat, 95))),
+            "mean_parked_ms": round(statistics.mean(s.trace.parked_ms for s in seqs), 1),
+            "hops": sum(s.trace.num_hops for s in seqs), "steps": engine.num_steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--retrieval-latency-ms", type=float, default=150.0)
+    ap.add_argument("--sync-at", type=int, default=8, help="concurrency of the sync-retrieval comparison")
+    args = ap.parse_args(argv)
+    model, tok = load_model(ModelConfig())
+    retriever = build_retriever(RetrieverConfig())
+    if args.retrieval_latency_ms:
+        retriever = Latency(retriever, args.retrieval_latency_ms)
+    run(model, tok, retriever, 2, 2, 8, False)  # warm-up
+    rows = [run(model, tok, retriever, args.requests, int(c), args.max_new_tokens, False)
+            for c in args.concurrency.split(",")]
+    rows.append(run(model, tok, retriever, args.requests, args.sync_at, args.max_new_tokens, True))
+    print(f"{args.requests} requests, {args.max_new_tokens} tokens each, 0-3 hops, "
+          f"+{args.retrieval_latency_ms:g} ms per search call")
+    print(f"{'concurrency':>11} {'retrieval':>10} {'tokens/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
+          f"{'parked ms':>10} {'wall s':>7} {'steps':>6}")
+    for r in rows:
+        print(f"{r['concurrency']:>11} {'sync' if r['sync_retrieval'] else 'async':>10} {r['tokens_per_s']:>9.1f} "
+              f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['mean_parked_ms']:>10.1f} {r['wall_s']:>7.1f} {r['steps']:>6}")
+    base = next(r for r in rows if r["concurrency"] == 1 and not r["sync_retrieval"])
+    at8 = next((r for r in rows if r["concurrency"] == args.sync_at and not r["sync_retrieval"]), None)
+    sync = rows[-1]
+    summary = {"bench": "engine", "rows": rows,
+               "speedup_c8_vs_c1": round(at8["tokens_per_s"] / base["tokens_per_s"], 2) if at8 else None,
+               "async_vs_sync_at_c8": round(at8["tokens_per_s"] / sync["tokens_per_s"], 2) if at8 else None}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
