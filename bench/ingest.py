@@ -71,6 +71,15 @@ def main(argv=None) -> int:
         p.write_text(p.read_text().replace("Resolved in", "Patched and resolved in"))
     update = json.loads(rig("index", "build", "--input", str(src), "--out", str(index)).stdout.strip().splitlines()[-1])
 
+    target = question.split("ticket ")[1].split(" ")[0]
+    from rig_decode.config import RetrieverConfig
+    from rig_decode.retrieval.factory import build_retriever
+
+    t0 = time.perf_counter()
+    retriever = build_retriever(RetrieverConfig(index_path=str(index)))
+    load_s = time.perf_counter() - t0
+    direct = [h.doc_id for h in retriever.search_batch([question], 5)[0]]
+
     cfg = root / "rig.yaml"
     cfg.write_text(f"retriever: {{index_path: {json.dumps(str(index))}, top_k: 3}}\nmodel: {{max_tokens: 48}}\n"
                    "rig: {retrieve_first: true}\n")
@@ -79,14 +88,17 @@ def main(argv=None) -> int:
     ask_s = time.perf_counter() - t0
     answer = json.loads(ask.stdout.strip().splitlines()[-1]) if ask.returncode == 0 else {}
     hops = answer.get("trace", {}).get("retrieval_steps", [])
-    found = any(d["id"] == question.split("ticket ")[1].split(" ")[0] for h in hops for d in h["docs"])
+    found = any(d["id"] == target for h in hops for d in h["docs"])
 
     rows = [("documents", report["documents"]), ("chunks", report["chunks"]),
             ("build seconds (wall, incl. model load)", round(build_s, 1)), ("embedding + write seconds", report["seconds"]),
             ("peak RSS MB", report["peak_rss_mb"]), ("update: chunks re-embedded", update["embedded_chunks"]),
             ("update: embeddings reused", update["reused_embeddings"]), ("update seconds", update["seconds"]),
+            ("index load seconds", round(load_s, 1)),
+            ("question as query: target rank", direct.index(target) + 1 if target in direct else None),
             ("rig ask seconds (incl. load)", round(ask_s, 1)), ("rig ask hops", len(hops)),
-            ("target ticket retrieved", found)]
+            ("rig ask queries", [h["query"] for h in hops]),
+            ("target ticket in the model's hops", found)]
     for k, v in rows:
         print(f"{k:<40} {v}")
     print(json.dumps({"bench": "ingest", **{k.split(" (")[0].replace(" ", "_").replace(":", ""): v for k, v in rows},

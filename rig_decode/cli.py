@@ -92,7 +92,8 @@ def cmd_eval(args) -> int:
     from .retrieval.factory import build_retriever
 
     keys = plan([m.strip() for m in args.methods.split(",") if m.strip()],
-                [int(x) for x in args.max_iterations.split(",")])
+                [int(x) for x in args.max_iterations.split(",")],
+                [int(x) for x in args.reference_iterations.split(",")] if args.reference_iterations else None)
     examples, corpus = load_dataset(args.dataset, args.limit)
     cfg = _load_config(argparse.Namespace(config=args.config, max_tokens=args.max_tokens))
     _quiet_hf()
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", help="YAML config")
     ev.add_argument("--methods", default="none,rag,rig,rig-reprefill")
     ev.add_argument("--max-iterations", default="1,2,3", help="comma-separated hop budgets for the rig methods")
+    ev.add_argument("--reference-iterations", help="run rig-reprefill only at these hop budgets (default: all)")
     ev.add_argument("--limit", type=int, help="first N questions only")
     ev.add_argument("--max-tokens", type=int, help="tokens to generate per answer (overrides model.max_tokens)")
     ev.add_argument("--batch-size", type=int, default=8)

@@ -64,3 +64,14 @@ def test_aggregate_hand_computed():
     assert m["latency_p50_ms"] == 250.0
     assert m["source_claims_without_hop"] == 0.25
     assert m["accuracy_by_hops"] == {"0": 0.0, "1": 0.0, "2": 1.0}
+
+
+def test_plan_orders_runs_and_limits_the_reference():
+    from rig_decode.eval.runner import plan
+
+    keys = plan(["none", "rag", "rig", "rig-reprefill"], [1, 2, 3], [2])
+    assert [k.label for k in keys] == ["none", "rag", "rig@1", "rig@2", "rig@3", "rig-reprefill@2"]
+    with pytest.raises(ValueError, match="unknown method"):
+        plan(["rig", "self-rag"], [1])
+    with pytest.raises(ValueError, match="subset"):
+        plan(["rig-reprefill"], [1], [4])

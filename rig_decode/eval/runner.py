@@ -6,9 +6,11 @@ Methods:
   rig            this project: the model retrieves when it asks, evidence spliced into the cache
   rig-reprefill  the same decisions, but every hop re-prefills the whole batch (string-based RIG)
 
-``rig`` and ``rig-reprefill`` run per ``max_iterations`` value; ``none`` and ``rag`` once. Questions
-run in batches of ``batch_size``; the two RIG methods use the same batches, so with greedy decoding
-their answers are identical and only their cost differs.
+``rig`` and ``rig-reprefill`` run per ``max_iterations`` value; ``none`` and ``rag`` once. All
+questions are queued at once and the engine keeps ``batch_size`` of them decoding (continuous
+batching). A row computes the same tokens in any batch, so with greedy decoding ``rig`` and
+``rig-reprefill`` give identical answers and only their cost differs. Latency is measured from a
+question's admission to the batch to its last token.
 """
 
 from __future__ import annotations
@@ -43,14 +45,20 @@ class RunKey:
         return self.method if self.max_iterations is None else f"{self.method}@{self.max_iterations}"
 
 
-def plan(methods: list[str], max_iterations: list[int]) -> list[RunKey]:
+def plan(methods: list[str], max_iterations: list[int], reference_iterations: list[int] | None = None) -> list[RunKey]:
+    """Run keys in order. ``reference_iterations`` limits ``rig-reprefill`` (same answers as ``rig``
+    by construction, only slower) to some hop budgets; None runs it at every one."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if reference_iterations and not set(reference_iterations) <= set(max_iterations):
+        raise ValueError("--reference-iterations must be a subset of --max-iterations")
     keys = []
     for m in methods:
         if m in ("none", "rag"):
             keys.append(RunKey(m, None))
+        elif m == "rig-reprefill" and reference_iterations:
+            keys += [RunKey(m, k) for k in reference_iterations]
         else:
             keys += [RunKey(m, k) for k in max_iterations]
     return keys
@@ -89,26 +97,36 @@ class EvalRunner:
         return build_prompt(self.tokenizer, ex.question, self.spec, self.config.rig.system_prompt)
 
     def _run_one(self, examples: list[EvalExample], key: RunKey) -> dict:
+        """All questions go to the engine at once; it keeps ``batch_size`` of them in the batch
+        (continuous batching: a finished row's place goes to the next question)."""
         engine = self._engine(key)
-        records = []
-        bar = tqdm(total=len(examples), desc=f"{key.label:>16}", disable=not self.progress, unit="q")
         t_run = time.perf_counter()
-        for start in range(0, len(examples), self.batch_size):
-            batch = examples[start : start + self.batch_size]
-            rag_steps, blocks = self._rag_retrieve(batch) if key.method == "rag" else ([None] * len(batch), [None] * len(batch))
-            seqs = [engine.new_sequence(self._prompt(key, ex, blk), seq_id=start + i, question=ex.question)
-                    for i, (ex, blk) in enumerate(zip(batch, blocks))]
-            engine.generate(seqs)
-            for ex, seq, rag_step in zip(batch, seqs, rag_steps):
-                if rag_step is not None:
-                    seq.trace.retrieval_steps.append(rag_step)
-                    seq.trace.retrieval_ms += rag_step.latency_ms
-                    seq.trace.total_ms += rag_step.latency_ms
-                    seq.trace.evidence_tokens = rag_step.evidence_tokens
-                records.append(self._record(key, ex, seq.matcher.visible_text().strip(), seq.trace))
-            bar.update(len(batch))
+        rag_steps, blocks = [None] * len(examples), [None] * len(examples)
+        if key.method == "rag":
+            for start in range(0, len(examples), self.batch_size):
+                chunk = examples[start : start + self.batch_size]
+                rag_steps[start : start + len(chunk)], blocks[start : start + len(chunk)] = self._rag_retrieve(chunk)
+        seqs = [engine.new_sequence(self._prompt(key, ex, blk), seq_id=i, question=ex.question)
+                for i, (ex, blk) in enumerate(zip(examples, blocks))]
+        for s in seqs:
+            engine.add(s)
+        bar = tqdm(total=len(examples), desc=f"{key.label:>16}", disable=not self.progress, unit="q")
+        done = 0
+        while engine.has_unfinished:
+            engine.step()
+            finished = sum(s.is_finished for s in seqs)
+            bar.update(finished - done)
+            done = finished
         bar.close()
         engine.close()
+        records = []
+        for ex, seq, rag_step in zip(examples, seqs, rag_steps):
+            if rag_step is not None:
+                seq.trace.retrieval_steps.append(rag_step)
+                seq.trace.retrieval_ms += rag_step.latency_ms
+                seq.trace.total_ms += rag_step.latency_ms
+                seq.trace.evidence_tokens = rag_step.evidence_tokens
+            records.append(self._record(key, ex, seq.matcher.visible_text().strip(), seq.trace))
         return {"records": records, "wall_s": time.perf_counter() - t_run}
 
     def _rag_retrieve(self, batch: list[EvalExample]):
@@ -146,7 +164,7 @@ class EvalRunner:
             "token_overhead": (trace.marker_tokens + trace.evidence_tokens) / answer_tokens,
             "total_tokens": trace.prompt_tokens + trace.generated_tokens
                             + (trace.evidence_tokens if key.method != "rag" else 0),
-            "latency_ms": trace.total_ms,
+            "latency_ms": trace.total_ms - trace.queue_ms,  # in the batch, not waiting for a place
             "source_claim_without_hop": bool(not steps and M.claims_sources(prediction)),
             "trace": trace.to_dict(),
         }
