@@ -130,3 +130,27 @@ def test_real_model_splice_equals_reprefill(real):
     for i, ids in enumerate(prompt_ids):
         ref = run([ids], [i], reprefill=True)[0]
         assert ref.token_ids == spliced[i].token_ids
+
+
+def test_buffered_layer_behaves_like_dynamic_layer():
+    """In-place writes into spare columns give the tensors concatenation gives; assigned tensors
+    are installed as they are (no spare room, never written to), keys and values independently."""
+    from transformers.cache_utils import DynamicLayer
+
+    from rig_decode.engine.runner_hf import BufferedLayer
+
+    torch.manual_seed(0)
+    buffered, plain = BufferedLayer(), DynamicLayer()
+    for width in (5, 1, 1, 70, 1, 3):  # the fourth write outgrows the first buffer
+        k, v = torch.randn(2, 3, width, 4), torch.randn(2, 3, width, 4)
+        got, want = buffered.update(k, v), plain.update(k, v)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert buffered.get_seq_length() == plain.get_seq_length()
+    installed = torch.randn(2, 3, 10, 4)
+    buffered.keys = installed  # e.g. compaction assigns keys first, then reads values to gather them
+    assert buffered.values.shape[-2] == 81 and buffered.keys.data_ptr() == installed.data_ptr()
+    buffered.values = installed.clone()
+    snapshot = installed.clone()
+    buffered.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
+    assert torch.equal(installed, snapshot), "an installed tensor was written to"
+    assert buffered.get_seq_length() == 11 and torch.equal(buffered.keys[:, :, :10], installed)

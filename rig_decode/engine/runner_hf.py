@@ -18,6 +18,11 @@ the step's work. Such a step runs as two forwards: every row's first pending tok
 batch (a plain decode step), then the long rows' remaining tokens over a copy of just their cache
 rows, whose new columns are written back (holes elsewhere).
 
+The cache's layers keep their keys and values in buffers with spare columns (``BufferedLayer``): a
+decode step writes its column in place, where a plain ``DynamicCache`` concatenates, i.e. copies
+(and page-faults in fresh memory for) the whole cache every step; at 16 rows x 1,000 columns that
+copy was a third of the step on CPU.
+
 Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
 it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
 starts the same way, so a new row is seeded with the longest common prefix and prefills the rest.
@@ -27,6 +32,74 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class BufferedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys/values are the first columns of a larger buffer.
+
+    ``update`` writes new columns in place while the buffer has room and otherwise moves to one
+    ``HEADROOM`` larger, so growth is amortised. Assigning ``keys``/``values`` (what the runner
+    does to add rows, pad or compact) installs that exact tensor with no spare room: nothing
+    outside is ever written to.
+    """
+
+    HEADROOM = 0.25
+    MIN_SPARE = 64
+
+    def __init__(self):
+        super().__init__()
+        self._k = self._v = None
+        self._nk = self._nv = 0
+
+    @staticmethod
+    def _view(buf, n):
+        return buf if buf is None or buf.dim() != 4 else buf[:, :, :n]
+
+    @staticmethod
+    def _width(t):
+        return t.shape[-2] if t is not None and t.dim() == 4 else 0
+
+    @property
+    def keys(self):
+        return self._view(self._k, self._nk)
+
+    @keys.setter
+    def keys(self, t):
+        self._k, self._nk = t, self._width(t)
+
+    @property
+    def values(self):
+        return self._view(self._v, self._nv)
+
+    @values.setter
+    def values(self, t):
+        self._v, self._nv = t, self._width(t)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, w = self._nk, key_states.shape[-2]
+        if self._width(self._k) < n + w or self._k.shape[0] != key_states.shape[0]:
+            cap = n + w + max(self.MIN_SPARE, int((n + w) * self.HEADROOM))
+            k, v = (key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3]) for _ in range(2))
+            if n:
+                k[:, :, :n], v[:, :, :n] = self.keys, self.values
+            self._k, self._v = k, v
+        self._k[:, :, n : n + w] = key_states
+        self._v[:, :, n : n + w] = value_states
+        self._nk = self._nv = n + w
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._nk
+
+
+def new_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` whose full-attention layers are ``BufferedLayer``s."""
+    cache = DynamicCache(config=config)
+    cache.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class HFModelRunner:
@@ -60,7 +133,7 @@ class HFModelRunner:
         return self.batch_size * self.num_columns
 
     def reset(self, batch_size: int = 0) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.attn = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = [0] * batch_size
         self.has_holes = False
@@ -110,7 +183,7 @@ class HFModelRunner:
     def _compute_prefix(self, ids: list[int]) -> None:
         """Cache the KV of ``ids``, extending the cached prefix they share (if any)."""
         known = self._cached(ids)
-        one = DynamicCache(config=self.model.config)
+        one = new_cache(self.model.config)
         if known:
             for layer, (k, v) in zip(one.layers, self._prefix[1]):
                 layer.lazy_initialization(k, v)
@@ -196,7 +269,7 @@ class HFModelRunner:
     def _forward_rows(self, idx: list[int], rows: list[list[int]]) -> torch.Tensor:
         """Forward some rows only, over a copy of their cache; the others get hole columns."""
         index = torch.tensor(idx, dtype=torch.long, device=self.device)
-        sub = DynamicCache(config=self.model.config)
+        sub = new_cache(self.model.config)
         for layer, full in zip(sub.layers, self.cache.layers):
             keys, values = full.keys.index_select(0, index), full.values.index_select(0, index)
             layer.lazy_initialization(keys, values)
