@@ -182,6 +182,27 @@ def cmd_index_stats(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as e:
+        print(f"rig serve needs the server extra: pip install 'rig_decode[server]' ({e})", file=sys.stderr)
+        return 2
+    _quiet_hf()
+    cfg = _load_config(args)
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if server:
+        cfg = cfg.updated(server=server)
+    t0 = time.perf_counter()
+    app = create_app(cfg)
+    print(f"[rig] loaded {cfg.model.name} in {time.perf_counter() - t0:.1f}s; "
+          f"serving on http://{cfg.server.host}:{cfg.server.port}/ (playground at /)", file=sys.stderr)
+    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="warning")
+    return 0
+
+
 def cmd_models_pull(args) -> int:
     from .models.embedded import pull
 
@@ -262,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats = isub.add_parser("stats", help="documents, chunks, dimension, metadata fields of an index")
     stats.add_argument("index")
     stats.set_defaults(func=cmd_index_stats)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming, metrics and a playground")
+    serve.add_argument("--config", help="YAML config")
+    serve.add_argument("--host", help="default: server.host (127.0.0.1)")
+    serve.add_argument("--port", type=int, help="default: server.port (8000)")
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="manage embedded models")
     msub = models.add_subparsers(dest="models_command", required=True)

@@ -115,7 +115,11 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = None
-    max_concurrency: int = Field(16, ge=1)
+    """When set, every /v1 request needs ``Authorization: Bearer <api_key>``."""
+    max_concurrency: int = Field(64, ge=1)
+    """Requests in flight at once (decoding or queued for a batch slot); more get a 429."""
+    model_name: str | None = None
+    """The model id clients use (default: ``model.name``)."""
 
 
 class RigConfig(_Section):

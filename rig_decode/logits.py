@@ -71,6 +71,12 @@ class _MarkerProcessor(LogitsProcessor):
         raise NotImplementedError
 
 
+def _hop_limit(row, default: int) -> int:
+    """A row's hop budget: its own ``max_iterations`` where it has one (engine sequences)."""
+    limit = getattr(row, "max_iterations", None)
+    return default if limit is None else limit
+
+
 class HopBudgetProcessor(_MarkerProcessor):
     def __init__(self, vocab: MarkerVocab, max_iterations: int, tracker: MarkerTracker | None = None):
         super().__init__(tracker)
@@ -79,7 +85,7 @@ class HopBudgetProcessor(_MarkerProcessor):
     def apply(self, rows, scores):
         for i, row in enumerate(rows):
             m = row.matcher
-            if m.num_markers >= self.max_iterations and not m.is_open:
+            if m.num_markers >= _hop_limit(row, self.max_iterations) and not m.is_open:
                 banned = self.vocab.start_completing_ids(m.start_states).to(scores.device)
                 scores[i, banned] = float("-inf")
         return scores
@@ -150,7 +156,8 @@ class RetrieveFirstProcessor(_MarkerProcessor):
     def apply(self, rows, scores):
         for i, row in enumerate(rows):
             n = len(row.matcher.token_ends)
-            if n < len(self.start_ids) and row.matcher.num_markers == 0 and not row.matcher.is_open:
+            if (n < len(self.start_ids) and row.matcher.num_markers == 0 and not row.matcher.is_open
+                    and _hop_limit(row, 1) > 0):
                 scores[i].fill_(float("-inf"))
                 scores[i, self.start_ids[n]] = 0.0
         return scores

@@ -86,8 +86,10 @@ class RequestHandle:
 
 
 class AsyncRigEngine:
-    def __init__(self, engine: RigEngine):
-        self.engine = engine
+    def __init__(self, engine: RigEngine, on_finish=None):
+        """``on_finish(seq)``: called once per finished request, on the engine thread (whether or
+        not anyone still listens: a cancelled request's client is gone)."""
+        self.engine, self.on_finish = engine, on_finish
         self._handles: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
         self._wake = threading.Event()
@@ -96,10 +98,11 @@ class AsyncRigEngine:
         self._thread = threading.Thread(target=self._run, name="rig-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], question: str = "") -> RequestHandle:
-        """Queue a request (call from a coroutine: events go to the running event loop)."""
+    def submit(self, prompt_ids: list[int], question: str = "", **overrides) -> RequestHandle:
+        """Queue a request (call from a coroutine: events go to the running event loop);
+        ``overrides`` are ``RigEngine.new_sequence``'s per-request options."""
         loop = asyncio.get_running_loop()
-        seq = self.engine.new_sequence(prompt_ids, seq_id=next(self._ids), question=question)
+        seq = self.engine.new_sequence(prompt_ids, seq_id=next(self._ids), question=question, **overrides)
         handle = RequestHandle(self, seq, loop)
         with self._lock:
             self._handles[seq.seq_id] = handle
@@ -137,6 +140,8 @@ class AsyncRigEngine:
             if h.seq.is_finished:
                 with self._lock:
                     self._handles.pop(h.seq_id, None)
+                if self.on_finish is not None:
+                    self.on_finish(h.seq)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -147,6 +152,8 @@ class AsyncRigEngine:
                 h.seq.trace.marker_errors.append(f"engine error: {type(error).__name__}: {error}")
             for ev in h._events():
                 h._loop.call_soon_threadsafe(h.queue.put_nowait, ev)
+            if self.on_finish is not None:
+                self.on_finish(h.seq)
         self.engine.waiting.clear()
         self.engine.running.clear()
         self.engine.runner.reset(0)

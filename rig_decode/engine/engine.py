@@ -97,16 +97,28 @@ class RigEngine:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def new_sequence(self, prompt_ids: list[int], seq_id: int = 0, question: str = "") -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], seq_id: int = 0, question: str = "", *,
+                     max_new_tokens: int | None = None, max_iterations: int | None = None,
+                     top_k: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                     seed: int | None = None) -> Sequence:
+        """A request's sequence; the keyword arguments override the engine's options for it alone."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         limit = self.runner.context_limit
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context holds {limit}")
+        for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if max_iterations is not None and max_iterations < 0:
+            raise ValueError(f"max_iterations must be at least 0, got {max_iterations}")
+        temp = self.opts.temperature if temperature is None else temperature
         gen = None
-        if self.opts.temperature > 0:
-            gen = torch.Generator().manual_seed(self.opts.seed + seq_id)
-        seq = Sequence(seq_id, list(prompt_ids), MarkerMatcher(self.vocab), self.opts.max_new_tokens, gen)
+        if temp > 0:
+            gen = torch.Generator().manual_seed((self.opts.seed if seed is None else seed) + seq_id)
+        seq = Sequence(seq_id, list(prompt_ids), MarkerMatcher(self.vocab),
+                       self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens, gen,
+                       max_iterations=max_iterations, top_k=top_k, temperature=temperature, top_p=top_p)
         seq.trace.question = question
         budget = self.opts.kv_budget_tokens
         if budget is not None and self._worst_case(seq) > budget:
@@ -188,7 +200,8 @@ class RigEngine:
     # -- schedule -----------------------------------------------------------------------------------
 
     def _worst_case(self, s: Sequence) -> int:
-        return len(s.prompt_ids) + s.max_new_tokens + self.opts.max_iterations * (self.opts.evidence_token_budget + 1)
+        hops = self.opts.max_iterations if s.max_iterations is None else s.max_iterations
+        return len(s.prompt_ids) + s.max_new_tokens + hops * (self.opts.evidence_token_budget + 1)
 
     def _admit(self, now: float) -> None:
         budget, new = self.opts.kv_budget_tokens, []
@@ -244,15 +257,13 @@ class RigEngine:
         for p in self.processors:
             logits = p.apply(rows, logits)
         forced = (torch.isfinite(logits).sum(dim=-1) == 1).tolist()
-        if self.opts.temperature <= 0:
-            return logits.argmax(dim=-1).tolist(), forced
-        probs = torch.softmax(logits / self.opts.temperature, dim=-1)
-        if self.opts.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > self.opts.top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        # One generator per sequence: a row samples the same tokens whatever batch it is in.
-        return [int(torch.multinomial(probs[i], 1, generator=s.generator)) for i, s in enumerate(rows)], forced
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, s in enumerate(rows):
+            temp = self.opts.temperature if s.temperature is None else s.temperature
+            if temp > 0 and not forced[i]:
+                top_p = self.opts.top_p if s.top_p is None else s.top_p
+                tokens[i] = _sample_row(logits[i], temp, top_p, s.generator)
+        return tokens, forced
 
     def _postprocess(self, s: Sequence, tok: int, forced: bool) -> None:
         now = time.perf_counter()
@@ -285,7 +296,7 @@ class RigEngine:
         for s in parked:
             s.parked_at = now
             if s.query:
-                s.ticket = self.worker.submit(s.seq_id, s.query)
+                s.ticket = self.worker.submit(s.seq_id, s.query, s.top_k)
             else:
                 self._splice(s, [], "empty query", now)
         if self.sync:  # the decode path waits for this step's searches
@@ -333,6 +344,17 @@ class RigEngine:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
+    """One row's token: temperature, then nucleus (top-p) sampling with the row's own generator,
+    so a row samples the same tokens whatever batch it is in."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _stop_ids(model, tokenizer) -> list[int]:

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..retrieval.base import Hit, Retriever
+from ..retrieval.base import Hit, HitList, Retriever
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class RetrievalResult:
 class RetrievalWorker:
     def __init__(self, retriever: Retriever | None, top_k: int, retries: int = 1):
         self.retriever, self.top_k, self.retries = retriever, top_k, retries
-        self._queue: list[tuple[int, int, str]] = []
+        self._queue: list[tuple[int, int, str, int]] = []
         self._done: list[RetrievalResult] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -39,10 +39,11 @@ class RetrievalWorker:
         self._thread = threading.Thread(target=self._loop, name="rig-retrieval", daemon=True)
         self._thread.start()
 
-    def submit(self, seq_id: int, query: str) -> int:
+    def submit(self, seq_id: int, query: str, top_k: int | None = None) -> int:
+        """Queue a query (``top_k``: this one's result count, default the worker's)."""
         with self._cond:
             self._next_ticket += 1
-            self._queue.append((self._next_ticket, seq_id, query))
+            self._queue.append((self._next_ticket, seq_id, query, top_k or self.top_k))
             self._cond.notify_all()
             return self._next_ticket
 
@@ -70,16 +71,17 @@ class RetrievalWorker:
                 self._done += results
                 self._cond.notify_all()
 
-    def _search(self, batch: list[tuple[int, int, str]]) -> list[RetrievalResult]:
+    def _search(self, batch: list[tuple[int, int, str, int]]) -> list[RetrievalResult]:
+        """One search for the whole batch, at its largest ``top_k``; each query keeps its own."""
         t0 = time.perf_counter()
-        queries = [q for _, _, q in batch]
+        queries = [q for _, _, q, _ in batch]
         hits, error, attempts = None, None, 0
         if self.retriever is None:
             error = "no retriever configured"
         while self.retriever is not None and attempts <= self.retries:
             attempts += 1
             try:
-                hits = self.retriever.search_batch(queries, self.top_k)
+                hits = self.retriever.search_batch(queries, max(k for *_, k in batch))
                 if len(hits) != len(queries):
                     raise RuntimeError(f"retriever returned {len(hits)} result lists for {len(queries)} queries")
                 error = None
@@ -90,12 +92,17 @@ class RetrievalWorker:
         self.calls += 1
         ms = (time.perf_counter() - t0) * 1e3
         if hits is None:
-            return [RetrievalResult(t, sid, [], error, ms, len(batch), max(1, attempts)) for t, sid, _ in batch]
-        # each result keeps its HitList as it is, with the retriever's per-query decisions
-        return [RetrievalResult(t, sid, h, None, ms, len(batch), attempts) for (t, sid, _), h in zip(batch, hits)]
+            return [RetrievalResult(t, sid, [], error, ms, len(batch), max(1, attempts)) for t, sid, _, _ in batch]
+        # each result keeps its HitList (with the retriever's per-query decisions), cut to its top_k
+        return [RetrievalResult(t, sid, _first(h, k), None, ms, len(batch), attempts)
+                for (t, sid, _, k), h in zip(batch, hits)]
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
+
+
+def _first(hits: list[Hit], k: int) -> list[Hit]:
+    return hits if len(hits) <= k else HitList(hits[:k], dict(getattr(hits, "info", {})))

@@ -48,6 +48,11 @@ class Sequence:
     """The retrieval worker's ticket of the search this sequence waits for (0: none)."""
     parked_at: float = 0.0
     cancelled: bool = False
+    # per-request overrides of the engine's options (None: the engine's)
+    max_iterations: int | None = None
+    top_k: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

@@ -1,0 +1,325 @@
+"""A thin OpenAI-compatible HTTP front for the engine.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream``
+as Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET /health``,
+``GET /metrics`` (Prometheus), and the playground page at ``/``.
+
+All the decoding happens in ``AsyncRigEngine``; this module only turns requests into sequences
+and events into OpenAI's JSON. What OpenAI's schema has no field for goes into a ``rig`` object
+(hops with queries, documents, scores and timings; evidence tokens): on the response, and in
+streaming as extra chunks with no ``choices`` that OpenAI clients skip. Errors use OpenAI's error
+schema. A client that goes away cancels its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from importlib import resources
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import RigConfig
+from ..engine.async_engine import AsyncRigEngine, FinishEvent, HopEvent, RequestHandle, TokenEvent
+from ..engine.engine import RigEngine
+from ..markers import MarkerSpec
+from ..prompt import build_prompt
+from ..textstream import TextDeltas
+from ..trace import RetrievalStep, Trace
+from .metrics import Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, _Common, error_body
+
+# The engine's finish reasons, in OpenAI's vocabulary (the exact one is in ``rig.finish_reason``).
+_FINISH = {"stop": "stop", "length": "length", "context_full": "length", "deadline": "length",
+           "cancelled": "stop", "error": "stop"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers
+
+
+def hop_json(step: RetrievalStep) -> dict:
+    return {"round": step.round, "query": step.query,
+            "docs": [{"id": d.id, "title": d.title, "score": round(d.score, 4), "source": d.source}
+                     for d in step.docs],
+            "latency_ms": round(step.latency_ms, 1), "splice_ms": round(step.splice_ms, 1),
+            "evidence_tokens": step.evidence_tokens, "batch_size": step.batch_size,
+            "fallback": step.fallback, "error": step.error, "info": step.info}
+
+
+def rig_json(trace: Trace) -> dict:
+    timings = {k: round(getattr(trace, k), 1) for k in
+               ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
+    return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
+            "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
+            "marker_errors": list(trace.marker_errors), "timings": timings}
+
+
+def usage_json(trace: Trace) -> dict:
+    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.generated_tokens,
+            "total_tokens": trace.prompt_tokens + trace.generated_tokens}
+
+
+class Server:
+    """The state behind the routes: one engine, its async front, the metrics."""
+
+    def __init__(self, config: RigConfig, engine: RigEngine):
+        self.config, self.engine = config, engine
+        self.metrics = Metrics(engine)
+        self.front = AsyncRigEngine(engine, on_finish=lambda seq: self.metrics.observe(seq.trace))
+        self.model_id = config.server.model_name or Path(config.model.name).name
+        self.spec = MarkerSpec.from_style(config.rig.marker_style)
+        self.created = int(time.time())
+
+    # -- requests -> sequences ---------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        key = self.config.server.api_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           "authentication_error", "invalid_api_key")
+
+    def prompt_ids(self, req: _Common) -> list[int]:
+        tok = self.engine.tokenizer
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                            for m in req.messages]
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            return build_prompt(tok, messages, self.spec, self.config.rig.system_prompt)
+        if not req.prompt:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return tok.encode(req.prompt, add_special_tokens=False)
+
+    def submit(self, req: _Common) -> RequestHandle:
+        if req.model != self.model_id:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
+                           code="model_not_found", param="model")
+        if self.front.num_active >= self.config.server.max_concurrency:
+            raise ApiError(429, f"server busy: {self.front.num_active} requests in flight "
+                                f"(server.max_concurrency = {self.config.server.max_concurrency}); retry later",
+                           "rate_limit_error", "overloaded", headers={"Retry-After": "1"})
+        ids = self.prompt_ids(req)
+        limit = self.engine.runner.context_limit
+        max_new = req.token_limit or self.config.model.max_tokens
+        if len(ids) + max_new > limit:
+            if req.token_limit is not None or len(ids) >= limit:
+                raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt is "
+                                    f"{len(ids)} tokens and max_tokens is {max_new}",
+                               code="context_length_exceeded", param="messages")
+            max_new = limit - len(ids)
+        hops = 0 if not req.rig.retrieval else req.rig.max_iterations
+        try:
+            return self.front.submit(ids, question=_question(req), max_new_tokens=max_new,
+                                     max_iterations=hops, top_k=req.rig.top_k, temperature=req.temperature,
+                                     top_p=req.top_p, seed=req.seed)
+        except ValueError as e:  # prompt too long for the context or the KV budget
+            raise ApiError(400, str(e), code="context_length_exceeded") from None
+
+    def text_stream(self, handle: RequestHandle, req: _Common) -> TextDeltas:
+        return TextDeltas(handle.seq, self.engine.vocab, self.engine.stop_ids, raw=req.rig.show_evidence,
+                          stop=req.stop)
+
+    # -- events -> OpenAI JSON ---------------------------------------------------------------------
+
+    async def updates(self, handle: RequestHandle, req: _Common):
+        """A request's progress as ``(text, hop, finish_reason)`` updates: new answer text, a hop
+        that finished, or the end. Leaving early (the client went away) cancels the request."""
+        text = self.text_stream(handle, req)
+        finished = False
+        try:
+            async for ev in handle:
+                if isinstance(ev, TokenEvent):
+                    delta = text.delta()
+                    if delta:
+                        yield delta, None, None
+                    if text.stopped:  # a stop string: the answer is complete, stop decoding it
+                        handle.cancel()
+                        finished = True
+                        yield "", None, "stop"
+                        return
+                elif isinstance(ev, HopEvent):
+                    yield "", ev.step, None
+                elif isinstance(ev, FinishEvent):
+                    finished = True
+                    delta = text.delta(final=True)
+                    if delta:
+                        yield delta, None, None
+                    yield "", None, "stop" if text.stopped else _FINISH.get(ev.reason, "stop")
+                    return
+        finally:
+            if not finished:
+                handle.cancel()
+
+    def close(self) -> None:
+        self.front.close()
+
+
+def _question(req: _Common) -> str:
+    if isinstance(req, ChatCompletionRequest):
+        users = [m for m in req.messages if m.role == "user"]
+        return users[-1].text() if users else ""
+    return req.prompt
+
+
+def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = None) -> FastAPI:
+    """The app; ``engine``: an engine to serve (default: one built from ``config``)."""
+    config = config or RigConfig()
+    if engine is None:
+        from ..session import RigSession
+
+        engine = RigSession(config).engine
+    server = Server(config, engine)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.close()
+
+    app = FastAPI(title="rig_decode", lifespan=lifespan)
+    app.state.rig = server
+
+    def error(status: int, message: str, type_: str, code=None, param=None, headers=None) -> JSONResponse:
+        return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        server.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        return error(e.status, e.message, e.type, e.code, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        server.metrics.requests.labels(request.url.path, "400").inc()
+        errors = e.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            why = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
+            return error(400, f"the request body is not valid JSON: {why} (at character {errors[0]['loc'][-1]})",
+                         "invalid_request_error", "invalid_json")
+        problems = []
+        for err in errors:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        param = ".".join(str(p) for p in errors[0].get("loc", ()) if p != "body") if errors else None
+        return error(400, "invalid request: " + "; ".join(problems), "invalid_request_error", "invalid_request",
+                     param or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        return error(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_id, "in_flight": server.front.num_active}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        page = resources.files("rig_decode.server").joinpath("static/playground.html").read_text("utf-8")
+        return page.replace("{{MODEL}}", html.escape(server.model_id))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        server.check_auth(request)
+        if model_id != server.model_id:
+            raise ApiError(404, f"the model {model_id!r} does not exist", code="model_not_found")
+        return _model_card(server)
+
+    async def handle(req: _Common, request: Request, chat: bool):
+        server.check_auth(request)
+        handle = server.submit(req)  # errors surface here, before the response starts
+        server.metrics.requests.labels(request.url.path, "200").inc()
+        seq = handle.seq
+        kind = "chat.completion" if chat else "text_completion"
+        base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": server.model_id}
+
+        def choice(text: str, finish: str | None) -> dict:
+            if chat:
+                return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish,
+                        "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        if req.stream:
+            async def sse():
+                obj = {**base, "object": kind + ".chunk" if chat else kind}
+                if chat:
+                    yield _sse({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "finish_reason": None, "logprobs": None}]})
+                async for text, step, finish in server.updates(handle, req):
+                    if step is not None:  # an extension chunk: no choices, OpenAI clients skip it
+                        yield _sse({**obj, "choices": [], "rig": {"hop": hop_json(step)}})
+                    elif finish is not None:
+                        yield _sse({**obj, "choices": [choice(text, finish)], "rig": rig_json(seq.trace)})
+                        if req.include_usage:
+                            yield _sse({**obj, "choices": [], "usage": usage_json(seq.trace)})
+                    elif text:
+                        yield _sse({**obj, "choices": [choice(text, None)]})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        parts, finish = [], "stop"
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+        try:
+            async for text, _, fin in server.updates(handle, req):
+                parts.append(text)
+                finish = fin or finish
+        finally:
+            watcher.cancel()
+        content = "".join(parts)
+        if chat:
+            out = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
+                   "logprobs": None}
+        else:
+            out = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+        return {**base, "object": kind, "choices": [out], "usage": usage_json(seq.trace), "rig": rig_json(seq.trace)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await handle(req, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await handle(req, request, chat=False)
+
+    return app
+
+
+async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    while not handle.seq.is_finished:
+        await asyncio.sleep(0.25)
+        if await request.is_disconnected():
+            handle.cancel()
+            return
+
+
+def _model_card(server: Server) -> dict:
+    return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "rig_decode"}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+

@@ -1,0 +1,65 @@
+"""A sequence's answer as text deltas, for streaming.
+
+Tokens do not end on character boundaries (byte-level BPE splits a Chinese character or an
+emoji across tokens) and a marker is only known to be a marker once its last byte arrives. So a
+delta only ever covers text that can no longer change: complete UTF-8 characters, outside any
+marker, and not the tail that could still begin one or complete a stop string. Concatenated, the
+deltas are exactly the final text.
+"""
+
+from __future__ import annotations
+
+from .engine.sequence import Sequence
+from .markers import MarkerVocab
+
+
+def complete_utf8(data: bytes) -> bytes:
+    """``data`` without a trailing, still incomplete UTF-8 character."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # a lead byte (or ASCII): is its character complete?
+            need = 1 if b < 0x80 else 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+            return data if back >= need else data[:-back]
+    return data
+
+
+class TextDeltas:
+    """Hands out a sequence's answer text as it becomes final.
+
+    ``raw``: the whole completion as the model saw it (markers and evidence blocks included),
+    instead of the answer with markers hidden and evidence left out. ``stop``: strings that end
+    the answer (not included), as in OpenAI's API; ``stopped`` tells when one was found.
+    """
+
+    def __init__(self, seq: Sequence, vocab: MarkerVocab, stop_ids: list[int], raw: bool = False,
+                 stop: list[str] | None = None):
+        self.seq, self.vocab, self.stop_ids, self.raw = seq, vocab, set(stop_ids), raw
+        self.stop = [s for s in (stop or []) if s]
+        self.stopped = False
+        self.text = ""  # what was handed out so far
+
+    def _bytes(self, final: bool) -> bytes:
+        if not self.raw:
+            return self.seq.matcher.visible_bytes(final)
+        ids = self.seq.completion_ids
+        if ids and ids[-1] in self.stop_ids and self.seq.finish_reason == "stop":
+            ids = ids[:-1]
+        return b"".join(self.vocab.token_bytes[t] for t in ids)
+
+    def delta(self, final: bool = False) -> str:
+        """The text that became final since the last call (all the rest when ``final``)."""
+        if self.stopped:
+            return ""
+        data = self._bytes(final)
+        text = (data if final else complete_utf8(data)).decode("utf-8", "replace")
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                text, self.stopped = text[:at], True
+        if not self.stopped and not final and self.stop:
+            # hold back what could be the beginning of a stop string
+            text = text[: max(len(self.text), len(text) - max(len(s) for s in self.stop) + 1)]
+        if not text.startswith(self.text):  # cannot happen for well-formed streams; never resend
+            return ""
+        out, self.text = text[len(self.text):], text
+        return out

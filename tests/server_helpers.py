@@ -1,0 +1,85 @@
+"""A served tiny engine for the server tests: scripted answers, a real HTTP socket."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+from rig_decode.config import RigConfig
+from rig_decode.engine import EngineOptions, RigEngine
+
+from .helpers import ScriptedRetriever
+
+ANSWER = "Grüße aus Köln, 東京 and 🚀 emoji."
+QUERY = "error E1234 fixed in release"
+
+
+class ScriptAll:
+    """Every row writes one marker first (if its hop budget allows one), then ``ANSWER``, then
+    stops; ``endless`` rows never stop. The tiny model's own choices never show."""
+
+    def __init__(self, vocab, tok, eos: int, endless: bool = False):
+        self.marker = vocab.marker_token_ids(QUERY)
+        self.answer = tok.encode(ANSWER, add_special_tokens=False) + ([] if endless else [eos])
+        self.filler = tok.encode(" and", add_special_tokens=False)[0]
+
+    def apply(self, rows, scores):
+        for i, seq in enumerate(rows):
+            hops = seq.max_iterations if seq.max_iterations is not None else 1
+            script = (self.marker if hops > 0 else []) + self.answer
+            k = seq.num_generated
+            want = script[k] if k < len(script) else self.filler
+            scores[i].fill_(float("-inf"))
+            scores[i, want] = 0.0
+        return scores
+
+
+def tiny_engine(model, tok, *, endless=False, retriever=None, **opts) -> RigEngine:
+    options = EngineOptions(**{"max_iterations": 2, "max_new_tokens": 120, "evidence_token_budget": 64,
+                               "top_k": 2, "newline_ends_query": False, **opts})
+    engine = RigEngine(model, tok, retriever or ScriptedRetriever(), options)
+    engine.processors.insert(0, ScriptAll(engine.vocab, tok, engine.stop_ids[0], endless))
+    return engine
+
+
+def tiny_config(**server) -> RigConfig:
+    return RigConfig.from_dict({"model": {"name": "tiny", "max_tokens": 120}, "server": server})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(app):
+    """Run ``app`` with uvicorn on a free loopback port; yields its base URL."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
