@@ -123,11 +123,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['concurrency']:>11} {'sync' if r['sync_retrieval'] else 'async':>10} {r['tokens_per_s']:>9.1f} "
               f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['mean_parked_ms']:>10.1f} {r['wall_s']:>7.1f} {r['steps']:>6}")
-    base = next(r for r in rows if r["concurrency"] == 1 and not r["sync_retrieval"])
+    base = next((r for r in rows if r["concurrency"] == 1 and not r["sync_retrieval"]), None)
     at8 = next((r for r in rows if r["concurrency"] == args.sync_at and not r["sync_retrieval"]), None)
     sync = rows[-1]
-    summary = {"bench": "engine", "rows": rows,
-               "speedup_c8_vs_c1": round(at8["tokens_per_s"] / base["tokens_per_s"], 2) if at8 else None,
+    summary = {"bench": "engine", "retrieval_latency_ms": args.retrieval_latency_ms, "rows": rows,
+               "speedup_c8_vs_c1": round(at8["tokens_per_s"] / base["tokens_per_s"], 2) if at8 and base else None,
                "async_vs_sync_at_c8": round(at8["tokens_per_s"] / sync["tokens_per_s"], 2) if at8 else None}
     print(json.dumps(summary))
     return 0

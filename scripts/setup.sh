@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 echo "[setup] installing rig_decode and its dependencies"
-"${PIP[@]}" install -e ".[cpu,test]"
+"${PIP[@]}" install -e ".[cpu,server,test]"
 echo "[setup] fetching the embedded default model"
 .venv/bin/rig models pull smollm2-135m-instruct >/dev/null
 echo "[setup] done: .venv/bin/rig is ready"

@@ -3,6 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# The playground test drives Debian's Chromium; install it where we may (root with apt), else it is skipped.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  echo "[test] installing chromium for the playground test"
+  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) \
+    || echo "[test] could not install chromium: the playground test will be skipped"
+fi
 export RIG_REQUIRE_REAL_MODEL=1
 # pytest exits 5 when it collected no test: that fails this script like any other failure.
 exec .venv/bin/python -m pytest -q "$@"

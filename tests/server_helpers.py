@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 from rig_decode.config import RigConfig
 from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.server.background import serve_in_thread
 
 from .helpers import ScriptedRetriever
 
@@ -48,31 +46,7 @@ def tiny_config(**server) -> RigConfig:
     return RigConfig.from_dict({"model": {"name": "tiny", "max_tokens": 120}, "server": server})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serve(app):
-    """Run ``app`` with uvicorn on a free loopback port; yields its base URL."""
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+serve = serve_in_thread
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

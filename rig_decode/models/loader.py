@@ -66,8 +66,29 @@ def resolve_source(name: str) -> tuple[str, dict]:
     return name, {}  # a hub id: the user's environment decides whether it may be downloaded
 
 
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer ``load_model`` would return (an adapter's, when it adds marker tokens)."""
+    from transformers import AutoTokenizer
+
+    if cfg.adapter and _adapter_has_tokenizer(cfg.adapter):
+        return AutoTokenizer.from_pretrained(cfg.adapter)
+    source, extra = resolve_source(cfg.name)
+    try:
+        return AutoTokenizer.from_pretrained(source, **extra)
+    except OSError as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {cfg.name!r}: {e}") from e
+
+
+def _adapter_has_tokenizer(path: str) -> bool:
+    return (Path(path).expanduser() / "tokenizer_config.json").is_file()
+
+
 def load_model(cfg: ModelConfig):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) for a ``model:`` config section. A LoRA ``adapter`` (a folder written by
+    ``scripts/train_markers.py``) is merged into the weights, so decoding costs nothing extra; when
+    it carries a tokenizer with added marker tokens, that tokenizer is used and the embeddings are
+    resized to it first."""
+    from transformers import AutoModelForCausalLM
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -76,18 +97,25 @@ def load_model(cfg: ModelConfig):
     if cfg.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config()
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+    tokenizer = load_tokenizer(cfg)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
         raise ModelLoadError(f"cannot load model {cfg.name!r}: {e}") from e
     if cfg.quantization == "none":
         model.to(device)
     if cfg.adapter:
+        adapter = Path(cfg.adapter).expanduser()
+        if not (adapter / "adapter_config.json").is_file():
+            raise ModelLoadError(f"model.adapter {adapter} has no adapter_config.json")
         try:
             from peft import PeftModel
         except ImportError:
             raise ModelLoadError("model.adapter needs peft (pip install 'rig_decode[train]')") from None
-        model = PeftModel.from_pretrained(model, cfg.adapter)
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        model = PeftModel.from_pretrained(model, str(adapter))
+        if cfg.quantization == "none":
+            model = model.merge_and_unload()
     model.eval()
     return model, tokenizer

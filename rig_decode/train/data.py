@@ -1,0 +1,176 @@
+"""Supervised marker traces: what the model should write, with the evidence the decoder would splice.
+
+For each synthetic question the builder writes the answer the way the decoder runs it:
+
+    prompt | marker(query 1) | evidence 1 | marker(query 2) | evidence 2 | ... | answer <eos>
+
+The queries are built from the question's entity chain (entity + relation, in a few phrasings);
+each is sent to the *real* retriever and its hits are rendered by the decoder's own
+``EvidenceFormatter``, so the evidence tokens in a trace are exactly what the engine would splice
+for that query. The loss mask is the engine's mask: 1 on what the model writes (markers, queries,
+answer, end of sequence), 0 on the prompt and the evidence.
+
+Variations the model has to learn:
+
+* no retrieval: questions any model knows (and arithmetic) are answered directly;
+* re-query after misleading evidence: a vague first query (the name's first word) whose best hit
+  is another entity (a sibling company, a neighbouring model number), then a precise one;
+* re-query after an empty result: the decoder's no-evidence block (what a failed or empty search
+  splices), then the query again in other words.
+
+A question whose precise queries never find the needed document is skipped (and counted), so no
+trace teaches an answer that its evidence does not support.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+
+from ..eval.synth import _TEMPLATES
+from ..evidence import EvidenceFormatter
+from ..markers import MarkerSpec
+from ..prompt import build_prompt
+from ..retrieval.base import Retriever
+
+PHRASINGS = {
+    "maker": ["maker of the {e}", "{e} manufacturer", "which company makes the {e}"],
+    "released": ["{e} release year", "when was the {e} released", "{e} released in"],
+    "hq": ["{e} headquarters", "where is {e} headquartered", "{e} headquartered in"],
+    "founder": ["founder of {e}", "who founded {e}", "{e} founded by"],
+    "birthplace": ["{e} birthplace", "where was {e} born", "{e} born in"],
+    "country": ["{e} country", "which country is {e} in", "city {e} located in country"],
+}
+PATHS = {tid: path for tid, _, path, _ in _TEMPLATES}
+VARIANTS = {"special": "special_token", "text": "special_token", "json": "json"}
+"""Marker variants: ``special`` (the special_token style's delimiters added to the tokenizer as
+single tokens), ``text`` (the same delimiters as plain text), ``json`` (the JSON style)."""
+
+
+def variant_tokenizer(tokenizer, variant: str):
+    """The tokenizer a variant's traces are written with (a copy with the delimiters added, for
+    ``special``; ``scripts/train_markers.py`` adds them to the model the same way)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown marker variant {variant!r} ({', '.join(VARIANTS)})")
+    if variant != "special":
+        return tokenizer
+    tok = copy.deepcopy(tokenizer)
+    spec = MarkerSpec.special_token()
+    tok.add_tokens([spec.start[0], spec.end[0]], special_tokens=True)
+    return tok
+
+
+@dataclass(slots=True)
+class Trace:
+    id: str
+    question: str
+    answer: str
+    hops: int
+    style: str
+    input_ids: list[int]
+    mask: list[int]
+    """1 = the model writes this token (trained on), 0 = prompt or evidence."""
+    prompt_len: int
+    queries: list[str] = field(default_factory=list)
+    evidence_docs: list[list[str]] = field(default_factory=list)
+    kind: str = "plain"
+    """plain | no_retrieval | misleading_requery | empty_requery"""
+    variant: str = "special"
+    marker_token_ids: list[int] = field(default_factory=list)
+    """The delimiters' token ids where they are single added tokens (``special`` variant)."""
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class BuildStats:
+    built: int = 0
+    skipped: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
+
+
+class TraceBuilder:
+    def __init__(self, tokenizer, retriever: Retriever, variant: str = "special", *, evidence_budget: int = 256,
+                 top_k: int = 3, system_prompt: str | None = None, p_misleading: float = 0.15,
+                 p_empty: float = 0.05, seed: int = 0):
+        self.tok, self.retriever, self.variant = variant_tokenizer(tokenizer, variant), retriever, variant
+        self.spec = MarkerSpec.from_style(VARIANTS[variant])
+        self.marker_ids = (self.tok.convert_tokens_to_ids([self.spec.start[0], self.spec.end[0]])
+                           if variant == "special" else [])
+        self.formatter = EvidenceFormatter(tokenizer, evidence_budget)
+        self.top_k, self.system = top_k, system_prompt
+        self.p_misleading, self.p_empty = p_misleading, p_empty
+        self.rng = random.Random(seed)
+        self.stats = BuildStats()
+        eos = self.tok.eos_token_id
+        if eos is None:
+            raise ValueError("the tokenizer has no EOS token; traces must teach the model to stop")
+        self.eos = eos
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def _search(self, query: str) -> list:
+        return list(self.retriever.search_batch([query], self.top_k)[0])
+
+    def build(self, q: dict) -> Trace | None:
+        """One question (a synthetic record) -> its trace, or None when it cannot be supported."""
+        prompt = build_prompt(self.tok, q["question"], self.spec, self.system)
+        ids, mask = list(prompt), [0] * len(prompt)
+        trace = Trace(q["id"], q["question"], q["answer"], q["hops"], self.spec.style, ids, mask, len(prompt),
+                      variant=self.variant, marker_token_ids=list(self.marker_ids))
+
+        def write(text: str) -> None:
+            t = self._encode(text)
+            ids.extend(t)
+            mask.extend([1] * len(t))
+
+        def splice(hits: list, hop: int) -> None:
+            block = self.formatter.render_block(hits, hop)
+            ids.extend(block.token_ids)
+            mask.extend([0] * len(block.token_ids))
+            trace.evidence_docs.append(list(block.doc_ids))
+
+        if not q.get("needs_retrieval", True) or q["hops"] == 0:
+            trace.kind = "no_retrieval"
+        else:
+            chain, path, gold = q["entities"], PATHS[q["template"]], q["supporting_docs"]
+            hop = 0
+            for h, rel in enumerate(path):
+                entity = chain[h]
+                if h == 0 and self.rng.random() < self.p_misleading:
+                    vague = entity.split()[0]
+                    hits = self._search(vague)
+                    if hits and hits[0].doc_id != gold[h]:  # the best hit is about another entity
+                        hop += 1
+                        write(self.spec.render(vague))
+                        trace.queries.append(vague)
+                        splice(hits, hop)
+                        trace.kind = "misleading_requery"
+                elif self.rng.random() < self.p_empty:
+                    hop += 1
+                    first = self.rng.choice(PHRASINGS[rel]).format(e=entity)
+                    write(self.spec.render(first))
+                    trace.queries.append(first)
+                    splice([], hop)  # the decoder's block for a failed or empty search
+                    trace.kind = "empty_requery"
+                for phrasing in self.rng.sample(PHRASINGS[rel], len(PHRASINGS[rel])):
+                    query = phrasing.format(e=entity)
+                    hits = self._search(query)
+                    if gold[h] in {x.doc_id for x in hits}:
+                        break
+                else:
+                    self.stats.skipped += 1
+                    return None
+                hop += 1
+                write(self.spec.render(query))
+                trace.queries.append(query)
+                splice(hits, hop)
+        write(q["answer"])
+        ids.append(self.eos)
+        mask.append(1)
+        self.stats.built += 1
+        self.stats.kinds[trace.kind] = self.stats.kinds.get(trace.kind, 0) + 1
+        return trace

@@ -1,0 +1,146 @@
+"""LoRA fine-tuning on marker traces (peft), with the engine's loss mask.
+
+Two ways to treat the marker delimiters:
+
+* ``special``: ``<|retrieve|>`` and ``<|endofretrieve|>`` become single new tokens; only their
+  embedding rows are trained on top of the LoRA weights (peft's ``trainable_token_indices``), so
+  the adapter stays small;
+* ``text``: the delimiters stay ordinary text, split into several existing tokens.
+
+Only tokens with mask 1 (what the model writes) contribute to the loss: prompt and evidence tokens
+get label -100.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..markers import MarkerSpec
+
+IGNORE = -100
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 2e-4
+    warmup: int = 20
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    special_markers: bool = True
+    seed: int = 0
+    log_every: int = 10
+    max_len: int = 1024
+
+
+@dataclass(slots=True)
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    added_tokens: list[str] = field(default_factory=list)
+    trainable_params: int = 0
+
+
+def add_marker_tokens(model, tokenizer, spec: MarkerSpec) -> list[int]:
+    """Make the special-token style's delimiters single tokens; their new embedding rows start at
+    the mean of the rows of the text they replace. Returns the new ids."""
+    if spec.style != "special_token":
+        raise ValueError("only the special_token marker style has delimiters to add as tokens")
+    texts = [spec.start[0], spec.end[0]]
+    inits = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    added = tokenizer.add_tokens(texts, special_tokens=True)
+    ids = tokenizer.convert_tokens_to_ids(texts)
+    if added:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        emb = model.get_input_embeddings().weight
+        with torch.no_grad():
+            for i, old in zip(ids, inits):
+                emb[i] = emb[old].mean(0)
+    return ids
+
+
+def collate(batch: list[dict], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
+    """Right-padded ids, attention mask, and labels that are -100 wherever mask is 0 or padding."""
+    n = min(max_len, max(len(t["input_ids"]) for t in batch))
+    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
+    attn = torch.zeros((len(batch), n), dtype=torch.long)
+    for i, t in enumerate(batch):
+        x = torch.tensor(t["input_ids"][:n])
+        m = torch.tensor(t["mask"][:n], dtype=torch.bool)
+        ids[i, : len(x)] = x
+        attn[i, : len(x)] = 1
+        labels[i, : len(x)] = torch.where(m, x, torch.full_like(x, IGNORE))
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over the labelled positions only."""
+    shift_logits, shift_labels = logits[:, :-1].float(), labels[:, 1:]
+    return torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                                             shift_labels.reshape(-1), ignore_index=IGNORE)
+
+
+def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, task_type="CAUSAL_LM",
+                      target_modules=list(cfg.target_modules),
+                      trainable_token_indices={"embed_tokens": token_ids} if token_ids else None)
+    return get_peft_model(model, lora)
+
+
+def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=None) -> TrainResult:
+    """Train ``model`` (already wrapped by ``wrap_lora``) in place; returns the loss history.
+    Batches group traces of similar length (less padding), in a seeded order."""
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / max(1, cfg.steps)))))
+    order = sorted(range(len(traces)), key=lambda i: len(traces[i]["input_ids"]))
+    batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+    rng = random.Random(cfg.seed)
+    result = TrainResult(trainable_params=sum(p.numel() for p in params))
+    model.train()
+    t0, queue, running = time.perf_counter(), [], []
+    for step in range(cfg.steps):
+        if not queue:
+            queue = rng.sample(batches, len(batches))
+        batch = collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len)
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss = masked_loss(out.logits, batch["labels"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        running.append(loss.item())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            result.losses.append(sum(running) / len(running))
+            running = []
+            if progress:
+                progress(step + 1, result.losses[-1])
+    model.eval()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def save(model, tokenizer, out: Path, cfg: TrainConfig, result: TrainResult, card: dict) -> None:
+    """Adapter, tokenizer (with any added tokens), training record and a model card."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {"config": asdict(cfg), "result": asdict(result), **card}
+    (out / "training.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,99 @@
+"""LoRA-train a causal LM to write retrieve markers, on traces from make_marker_data.py.
+
+    python scripts/train_markers.py --data out/marker-data/train-special.jsonl --out out/adapter \\
+        [--model smollm2-135m-instruct] [--steps 300] [--batch-size 8]
+
+Traces of the ``special`` variant make the delimiters two new special tokens whose embedding rows
+are trained with the adapter; ``text`` and ``json`` traces keep them as text. Writes the adapter, the tokenizer, ``training.json``
+(config, loss history, time) and ``README.md`` (a model card). Use it with ``model.adapter``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from rig_decode.config import ModelConfig
+from rig_decode.markers import MarkerSpec
+from rig_decode.models.loader import load_model
+from rig_decode.train.lora import TrainConfig, add_marker_tokens, save, train, wrap_lora
+
+CARD = """# Marker adapter for {model}
+
+LoRA adapter (rank {rank}, alpha {alpha}, on {modules}) that teaches {model} to retrieve with
+`<|retrieve|>query<|endofretrieve|>` markers when it needs a fact, read the evidence block the
+decoder splices after each marker, and answer briefly{tokens}.
+
+* data: `{data}` ({n} traces: {kinds})
+* training: {steps} steps, batch {batch}, lr {lr}, seed {seed}, {seconds:.0f} s on {device}
+* loss: {first:.3f} (first {log_every} steps) -> {last:.3f} (last {log_every})
+* evaluation: see docs/marker-training.md
+
+Load it with `model: {{name: {model}, adapter: <this folder>}}`.
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True, help="traces (JSONL) of the special_token or json style")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=ModelConfig().name)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--rank", type=int, default=TrainConfig.rank)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    traces = [json.loads(line) for line in Path(args.data).open(encoding="utf-8")]
+    if not traces:
+        ap.error(f"{args.data} holds no traces")
+    variant = traces[0]["variant"]
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
+                      special_markers=variant == "special")
+    torch.manual_seed(cfg.seed)
+    model, tok = load_model(ModelConfig(name=args.model, dtype="float32"))
+    added: list[int] = []
+    if cfg.special_markers:
+        added = add_marker_tokens(model, tok, MarkerSpec.special_token())
+        if added != traces[0]["marker_token_ids"]:
+            ap.error(f"the traces were built with marker token ids {traces[0]['marker_token_ids']}, this "
+                     f"tokenizer gives {added}: rebuild the data with the same model's tokenizer")
+    if max(max(t["input_ids"]) for t in traces) >= len(tok):
+        ap.error("the traces hold token ids beyond this tokenizer's vocabulary: wrong --model?")
+    model = wrap_lora(model, cfg, added or None)
+    print(f"[train] {len(traces)} traces, {sum(p.numel() for p in model.parameters() if p.requires_grad):,} "
+          f"trainable parameters, {cfg.steps} steps", file=sys.stderr)
+
+    def progress(step, loss):
+        print(f"[train] step {step}/{cfg.steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    result = train(model, traces, pad, cfg, progress)
+    result.added_tokens = tok.convert_ids_to_tokens(added) if added else []
+    kinds: dict[str, int] = {}
+    for t in traces:
+        kinds[t["kind"]] = kinds.get(t["kind"], 0) + 1
+    card = CARD.format(model=args.model, rank=cfg.rank, alpha=cfg.alpha, modules=", ".join(cfg.target_modules),
+                       tokens=" (the two delimiters are new tokens; only their embedding rows are trained besides"
+                              " the LoRA weights)" if added else "", data=args.data, n=len(traces),
+                       kinds=", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), steps=cfg.steps,
+                       batch=cfg.batch_size, lr=cfg.lr, seed=cfg.seed, seconds=result.seconds,
+                       device="CPU" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+                       first=result.losses[0], last=result.losses[-1], log_every=cfg.log_every)
+    out = Path(args.out)
+    save(model, tok, out, cfg, result, {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds})
+    (out / "README.md").write_text(card)
+    print(json.dumps({"train": {"out": str(out), "steps": cfg.steps, "first_loss": round(result.losses[0], 4),
+                                "last_loss": round(result.losses[-1], 4), "seconds": round(result.seconds, 1)}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Marker training: traces equal what the decoder splices; the loss sees only what the model writes."""
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from rig_decode.engine import EngineOptions, RigEngine  # noqa: E402
+from rig_decode.eval.synth import generate  # noqa: E402
+from rig_decode.retrieval.base import Document  # noqa: E402
+from rig_decode.retrieval.dense import Embedder  # noqa: E402
+from rig_decode.retrieval.hybrid import IndexRetriever  # noqa: E402
+from rig_decode.retrieval.ingest import Chunking, build_index  # noqa: E402
+from rig_decode.retrieval.store import IndexStore  # noqa: E402
+from rig_decode.train.data import TraceBuilder, variant_tokenizer  # noqa: E402
+from rig_decode.train.lora import IGNORE, TrainConfig, add_marker_tokens, collate, masked_loss, train, wrap_lora  # noqa: E402
+
+from .helpers import tiny_model, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    corpus, splits = generate(seed=3, scale=0.34)
+    docs = [Document(d["id"], d["text"], d["title"], d["metadata"]) for d in corpus]
+    path = tmp_path_factory.mktemp("synth") / "index"
+    build_index(docs, Embedder("all-minilm-l6-v2"), path, Chunking(words=10**6, chars=10**6), progress=False)
+    retriever = IndexRetriever(IndexStore.load(path), None, "lexical")
+    return splits, retriever
+
+
+def test_splits_share_no_entities(world):
+    splits, _ = world
+    names = {s: {e for q in qs for e in q.entities if not e.isdigit()} for s, qs in splits.items()}  # not years
+    assert names["train"] and names["test"]
+    assert not names["train"] & names["test"] and not names["train"] & names["dev"]
+
+
+def test_traces_have_the_engines_mask_and_every_kind(world):
+    splits, retriever = world
+    tok = tiny_tokenizer()
+    builder = TraceBuilder(tok, retriever, "text", p_misleading=0.5, p_empty=0.3, seed=1)
+    traces = [t for q in splits["train"] if (t := builder.build(_rec(q)))]
+    assert len(traces) > 20 and builder.stats.built == len(traces)
+    assert {"no_retrieval", "plain", "misleading_requery", "empty_requery"} <= set(builder.stats.kinds)
+    for t in traces:
+        assert len(t.input_ids) == len(t.mask) and t.mask[: t.prompt_len] == [0] * t.prompt_len
+        assert t.mask[-1] == 1 and t.input_ids[-1] == tok.eos_token_id
+        assert len(t.queries) == len(t.evidence_docs) >= (t.hops if t.kind != "no_retrieval" else 0)
+
+
+class Replay:
+    """Makes the engine write a trace's model tokens (by a large bias, not by forcing, so the
+    engine records them as sampled: mask 1)."""
+
+    def __init__(self, traces):
+        self.traces = traces
+
+    def apply(self, rows, scores):
+        for i, seq in enumerate(rows):
+            t = self.traces[seq.seq_id]
+            n = len(seq.token_ids)
+            assert seq.token_ids == t.input_ids[:n], "the engine diverged from the trace"
+            scores[i, t.input_ids[n]] += 1e4
+        return scores
+
+
+@pytest.mark.parametrize("variant", ["special", "json"])
+def test_evidence_in_traces_is_what_the_decoder_splices(world, variant):
+    splits, retriever = world
+    builder = TraceBuilder(tiny_tokenizer(), retriever, variant, p_misleading=0.5, p_empty=0.0, seed=2)
+    traces = [t for q in splits["train"][:40] if (t := builder.build(_rec(q)))][:10]
+    assert any(len(t.queries) >= 2 for t in traces)
+    tok = builder.tok
+    model = tiny_model(len(tok))
+    opts = EngineOptions(max_iterations=6, max_query_tokens=64, evidence_token_budget=256, top_k=3,
+                         max_new_tokens=400, marker_style="special_token" if variant == "special" else "json",
+                         newline_ends_query=False)
+    engine = RigEngine(model, tok, retriever, opts, extra_processors=[Replay(traces)])
+    seqs = [engine.new_sequence(t.input_ids[: t.prompt_len], seq_id=i) for i, t in enumerate(traces)]
+    engine.generate(seqs)
+    for s, t in zip(seqs, traces):
+        assert s.token_ids == t.input_ids, t.id
+        assert s.mask == t.mask, t.id
+        assert [step.query for step in s.trace.retrieval_steps] == t.queries
+
+
+def test_collate_and_loss_ignore_masked_tokens():
+    batch = [{"input_ids": [5, 6, 7, 8, 9], "mask": [0, 0, 1, 0, 1]}, {"input_ids": [5, 6], "mask": [0, 1]}]
+    b = collate(batch, pad_id=0, max_len=16)
+    assert b["labels"].tolist() == [[IGNORE, IGNORE, 7, IGNORE, 9], [IGNORE, 6, IGNORE, IGNORE, IGNORE]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    logits = torch.randn(2, 5, 12, requires_grad=True)
+    masked_loss(logits, b["labels"]).backward()
+    # only positions that predict a mask-1 token get gradient
+    predicting = (b["labels"][:, 1:] != IGNORE)
+    grad_rows = logits.grad[:, :-1].abs().sum(-1) > 0
+    assert torch.equal(grad_rows, predicting) and logits.grad[:, -1].abs().sum() == 0
+
+
+def test_training_a_few_steps_lowers_the_loss(world):
+    splits, retriever = world
+    tok = tiny_tokenizer()
+    builder = TraceBuilder(tok, retriever, "special", system_prompt="Search, then answer.", evidence_budget=48,
+                           top_k=1, seed=0)
+    traces = [t.to_json() for q in splits["train"][:24] if (t := builder.build(_rec(q)))]
+    model = tiny_model(len(tok))
+    added = add_marker_tokens(model, tok, __import__("rig_decode.markers").markers.MarkerSpec.special_token())
+    assert added == traces[0]["marker_token_ids"] and len(tok) == len(variant_tokenizer(tiny_tokenizer(), "special"))
+    base = model.get_input_embeddings().weight.detach().clone()
+    model = wrap_lora(model, TrainConfig(rank=4, alpha=8), added)
+    cfg = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup=2, log_every=5, seed=0)
+    result = train(model, traces, tok.pad_token_id, cfg)
+    assert result.losses[-1] < 0.8 * result.losses[0], result.losses
+    merged = model.merge_and_unload().get_input_embeddings().weight
+    changed = (merged - base).abs().sum(-1) > 0
+    assert changed[added].all() and changed.sum() == len(added), "only the marker rows may train"
+
+
+def _rec(q) -> dict:
+    return {"id": q.id, "question": q.question, "answer": q.answer, "hops": q.hops, "template": q.template,
+            "supporting_docs": q.supporting_docs, "needs_retrieval": q.needs_retrieval, "entities": q.entities}
