@@ -211,3 +211,20 @@ def test_metrics(base, client):
 def test_playground_page_is_served(base):
     page = httpx.get(base + "/").text
     assert "<html" in page and "tiny" in page and "/v1/chat/completions" in page
+
+
+def test_an_engine_failure_is_a_500_and_the_server_recovers(model, tok, monkeypatch):
+    engine = tiny_engine(model, tok)
+    app = create_app(tiny_config(), engine=engine)
+    with serve(app) as base:
+        real_step = engine.runner.step
+        monkeypatch.setattr(engine.runner, "step", lambda rows: (_ for _ in ()).throw(RuntimeError("CUDA OOM")))
+        r = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": MSG})
+        assert r.status_code == 500 and "CUDA OOM" in r.json()["error"]["message"]
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=30,
+                          json={"model": "tiny", "messages": MSG, "stream": True}) as s:
+            events = _sse(s.iter_lines())
+        assert any(isinstance(e, dict) and "error" in e for e in events) and events[-1] == "[DONE]"
+        monkeypatch.setattr(engine.runner, "step", real_step)
+        ok = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": MSG})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER

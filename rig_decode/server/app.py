@@ -269,6 +269,8 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                 async for text, step, finish in server.updates(handle, req):
                     if step is not None:  # an extension chunk: no choices, OpenAI clients skip it
                         yield _sse({**obj, "choices": [], "rig": {"hop": hop_json(step)}})
+                    elif finish is not None and seq.finish_reason == "error":  # OpenAI's in-stream error
+                        yield _sse(error_body(_engine_error(seq), "server_error", "engine_error"))
                     elif finish is not None:
                         yield _sse({**obj, "choices": [choice(text, finish)], "rig": rig_json(seq.trace)})
                         if req.include_usage:
@@ -288,6 +290,8 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                 finish = fin or finish
         finally:
             watcher.cancel()
+        if seq.finish_reason == "error":
+            raise ApiError(500, _engine_error(seq), "server_error", "engine_error")
         content = "".join(parts)
         if chat:
             out = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
@@ -313,6 +317,11 @@ async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None
         if await request.is_disconnected():
             handle.cancel()
             return
+
+
+def _engine_error(seq) -> str:
+    errors = [e for e in seq.trace.marker_errors if e.startswith("engine error")]
+    return errors[-1] if errors else "engine error"
 
 
 def _model_card(server: Server) -> dict:
