@@ -93,6 +93,9 @@ class RigLoopConfig(_Section):
     """A line break inside a query closes it (for models not trained on the end marker)."""
     retrieve_first: bool = False
     """Force a retrieve marker at the start of every answer (the model still writes the query)."""
+    citations: bool = False
+    """Let the model cite evidence as ``[n]``, constrained to documents it has seen; citations are
+    listed (with doc ids) and checked against the cited text in the trace and the API response."""
     show_markers: bool = False
     """Keep marker and evidence text in the returned answer."""
     system_prompt: str | None = None

@@ -3,7 +3,8 @@
 A block is tokenised on its own (never merged with the text around it, so earlier token ids stay
 as they are) and fits a token budget: documents are added best first, the one that crosses the
 budget is cut at a token boundary and marked with an ellipsis, the rest are dropped. Documents are
-numbered so answers can cite them. The same hits always give the same token ids.
+numbered so answers can cite them, continuing across a sequence's hops (``first``): ``[n]`` names
+one document in the whole answer. The same hits always give the same token ids.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class EvidenceFormatter:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def render(self, hits: list[Hit], hop: int, budget: int | None = None) -> list[int]:
-        return self.render_block(hits, hop, budget).token_ids
+    def render(self, hits: list[Hit], hop: int, budget: int | None = None, first: int = 1) -> list[int]:
+        return self.render_block(hits, hop, budget, first).token_ids
 
-    def render_block(self, hits: list[Hit], hop: int, budget: int | None = None) -> EvidenceBlock:
-        """``hop`` is 1-based; ``budget`` (tokens, default the formatter's) may only shrink it."""
+    def render_block(self, hits: list[Hit], hop: int, budget: int | None = None, first: int = 1) -> EvidenceBlock:
+        """``hop`` is 1-based; ``budget`` (tokens, default the formatter's) may only shrink it;
+        documents are numbered from ``first`` (1 + the documents earlier hops showed)."""
         budget = self.budget if budget is None else min(budget, self.budget)
         if budget < self.min_budget:
             raise ValueError(f"{budget} tokens cannot hold an evidence block")
@@ -55,7 +57,7 @@ class EvidenceFormatter:
         lines: list[str] = []
         doc_ids: list[str] = []
         truncated = False
-        for n, hit in enumerate(hits, 1):
+        for n, hit in enumerate(hits, first):
             title = f"{hit.title}: " if hit.title else ""
             line = f"[{n}] {title}{' '.join(hit.text.split())}\n"
             ids = self._encode(line)

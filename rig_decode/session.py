@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .citations import check_citations, trace_docs
 from .config import RigConfig
 from .engine.engine import EngineOptions, RigEngine
 from .engine.sequence import Sequence
@@ -38,6 +39,7 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         kv_budget_tokens=budget,
         retrieval_retries=cfg.engine.retrieval_retries,
         sync_retrieval=cfg.engine.sync_retrieval,
+        citations=cfg.rig.citations,
     )
     opts.update(overrides)
     return EngineOptions(**opts)
@@ -79,7 +81,12 @@ class RigSession:
             for i, q in enumerate(questions)
         ]
         self.engine.generate(seqs)
-        return [(self.answer_text(s), s.trace) for s in seqs]
+        out = []
+        for s in seqs:
+            text = self.answer_text(s)
+            s.trace.citations = [c.to_json() for c in check_citations(text, trace_docs(s.trace))]
+            out.append((text, s.trace))
+        return out
 
     def answer_text(self, seq: Sequence) -> str:
         if not self.config.rig.show_markers:

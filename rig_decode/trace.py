@@ -12,6 +12,10 @@ class RetrievedDoc:
     title: str | None
     score: float
     source: str
+    number: int = 0
+    """Its number in the evidence (``[n]``), counted across the sequence's hops."""
+    text: str = ""
+    """The text the evidence block showed (for checking citations against it)."""
 
 
 @dataclass(slots=True)
@@ -55,6 +59,8 @@ class Trace:
     """Time parked in RETRIEVING while other rows decoded."""
     total_ms: float = 0.0
     finish_reason: str = ""
+    citations: list[dict] = field(default_factory=list)
+    """``[n]`` citations of the answer: document, sentence, valid, supported (``citations.py``)."""
 
     @property
     def num_hops(self) -> int:

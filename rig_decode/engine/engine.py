@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..citations import CitationProcessor
 from ..evidence import EvidenceFormatter
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
@@ -71,6 +72,8 @@ class EngineOptions:
     sync_retrieval: bool = False
     reprefill: bool = False
     """Reference mode: re-prefill the whole batch after every hop instead of splicing."""
+    citations: bool = False
+    """Constrain ``[n]`` citations to documents the row's evidence showed (``citations.py``)."""
 
 
 class RigEngine:
@@ -88,6 +91,8 @@ class RigEngine:
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
                                self.stop_ids, options.newline_ends_query, options.retrieve_first),
         ]
+        if options.citations:  # last: no other processor can re-open a banned citation
+            self.processors.append(CitationProcessor(self.vocab))
         self.worker = RetrievalWorker(retriever, options.top_k, options.retrieval_retries)
         self.sync = options.sync_retrieval or options.reprefill
         self.waiting: deque[Sequence] = deque()
@@ -330,13 +335,16 @@ class RigEngine:
         s.trace.parked_ms += (now - s.parked_at) * 1e3
         s.ticket = 0
         room = self.runner.context_limit - len(s.token_ids) - 1
+        first = 1 + sum(len(st.docs) for st in s.trace.retrieval_steps)
         try:
-            block = self.formatter.render_block(hits, step.round, budget=room)
+            block = self.formatter.render_block(hits, step.round, budget=room, first=first)
         except ValueError:
             step.error = "context full: no room for evidence"
             self._finish(s, "context_full", now)
             return
-        step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source) for h in hits if h.doc_id in block.doc_ids]
+        shown = hits[: len(block.doc_ids)]  # the block renders hits in order, up to its budget
+        step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source, first + n, h.text)
+                     for n, h in enumerate(shown)]
         step.evidence_tokens = len(block.token_ids)
         s.trace.evidence_tokens += len(block.token_ids)
         s.append(block.token_ids, sampled=False)

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..citations import check_citations, trace_docs
 from ..config import RigConfig
 from ..engine.async_engine import AsyncRigEngine, FinishEvent, HopEvent, RequestHandle, TokenEvent
 from ..engine.engine import RigEngine
@@ -59,12 +60,14 @@ def hop_json(step: RetrievalStep) -> dict:
             "fallback": step.fallback, "error": step.error, "info": step.info}
 
 
-def rig_json(trace: Trace) -> dict:
+def rig_json(trace: Trace, text: str | None = None) -> dict:
+    """The ``rig`` extension object; with the answer ``text``, its citations, checked."""
     timings = {k: round(getattr(trace, k), 1) for k in
                ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
     return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
             "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
-            "marker_errors": list(trace.marker_errors), "timings": timings}
+            "marker_errors": list(trace.marker_errors), "timings": timings,
+            "citations": [c.to_json() for c in check_citations(text, trace_docs(trace))] if text else []}
 
 
 def usage_json(trace: Trace) -> dict:
@@ -135,10 +138,10 @@ class Server:
 
     # -- events -> OpenAI JSON ---------------------------------------------------------------------
 
-    async def updates(self, handle: RequestHandle, req: _Common):
+    async def updates(self, handle: RequestHandle, req: _Common, text: TextDeltas | None = None):
         """A request's progress as ``(text, hop, finish_reason)`` updates: new answer text, a hop
         that finished, or the end. Leaving early (the client went away) cancels the request."""
-        text = self.text_stream(handle, req)
+        text = text or self.text_stream(handle, req)
         finished = False
         try:
             async for ev in handle:
@@ -266,13 +269,14 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                 if chat:
                     yield _sse({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                     "finish_reason": None, "logprobs": None}]})
-                async for text, step, finish in server.updates(handle, req):
+                answer = server.text_stream(handle, req)
+                async for text, step, finish in server.updates(handle, req, answer):
                     if step is not None:  # an extension chunk: no choices, OpenAI clients skip it
                         yield _sse({**obj, "choices": [], "rig": {"hop": hop_json(step)}})
                     elif finish is not None and seq.finish_reason == "error":  # OpenAI's in-stream error
                         yield _sse(error_body(_engine_error(seq), "server_error", "engine_error"))
                     elif finish is not None:
-                        yield _sse({**obj, "choices": [choice(text, finish)], "rig": rig_json(seq.trace)})
+                        yield _sse({**obj, "choices": [choice(text, finish)], "rig": rig_json(seq.trace, answer.text)})
                         if req.include_usage:
                             yield _sse({**obj, "choices": [], "usage": usage_json(seq.trace)})
                     elif text:
@@ -298,7 +302,8 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                    "logprobs": None}
         else:
             out = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
-        return {**base, "object": kind, "choices": [out], "usage": usage_json(seq.trace), "rig": rig_json(seq.trace)}
+        return {**base, "object": kind, "choices": [out], "usage": usage_json(seq.trace),
+                "rig": rig_json(seq.trace, content)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):

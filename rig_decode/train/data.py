@@ -128,7 +128,8 @@ class TraceBuilder:
             mask.extend([1] * len(t))
 
         def splice(hits: list, hop: int) -> None:
-            block = self.formatter.render_block(hits, hop)
+            first = 1 + sum(len(d) for d in trace.evidence_docs)
+            block = self.formatter.render_block(hits, hop, first=first)
             ids.extend(block.token_ids)
             mask.extend([0] * len(block.token_ids))
             trace.evidence_docs.append(list(block.doc_ids))
