@@ -104,7 +104,10 @@ class CitationProcessor:
 _CITE = re.compile(r"\[(\d+)\]")
 _SENTENCE = re.compile(r"[^.!?\n]*(?:[.!?]+(?:\s*\[\d+\])*|\n|$)")
 _STOP = frozenset("""a an and are as at be by for from has have in is it its of on or that the this
-to was were which with who whom what when where why how did does do not no yes than then also""".split())
+to was were which with who whom what when where why how did does do not no yes than then also
+hello hi hey thanks thank please there their they them these those would could should about after
+before again your yours you we our ours my mine me i can will just really very much many some any
+tell know think good great nice okay ok sure today tomorrow yesterday answer question""".split())
 
 
 @dataclass(slots=True)

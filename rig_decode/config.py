@@ -7,11 +7,12 @@ Every section forbids unknown keys, and every error names the key path that caus
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,37 @@ class RetrieverConfig(_Section):
     milvus: MilvusConfig = MilvusConfig()
 
 
+class GateRuleConfig(_Section):
+    pattern: str = Field(min_length=1)
+    """A regular expression matched (case-insensitively) against the question."""
+    sensitivity: float = Field(ge=0.0, le=1.0)
+    """1 = always retrieve when it matches."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression: {e}") from None
+        return v
+
+
+class GateConfig(_Section):
+    """Adaptive retrieval gating (``gate.py``): veto low-need hops, optionally boost uncertain ones."""
+
+    enabled: bool = False
+    threshold: float = Field(0.45, ge=0.0, le=1.0)
+    consider: float = Field(0.05, gt=0.0, le=1.0)
+    weights: dict[Literal["marker_prob", "entropy", "need", "domain"], float] = {
+        "marker_prob": 1.0, "entropy": 0.5, "need": 2.0, "domain": 1.0}
+    entropy_scale: float = Field(4.0, gt=0.0)
+    rules: list[GateRuleConfig] = []
+    boost: bool = False
+    boost_entropy: float = Field(3.0, ge=0.0)
+    boost_bias: float = Field(4.0, ge=0.0)
+
+
 class RigLoopConfig(_Section):
     max_iterations: int = Field(3, ge=0, le=64)
     marker_style: Literal["special_token", "json"] = "special_token"
@@ -93,6 +125,7 @@ class RigLoopConfig(_Section):
     """A line break inside a query closes it (for models not trained on the end marker)."""
     retrieve_first: bool = False
     """Force a retrieve marker at the start of every answer (the model still writes the query)."""
+    gate: GateConfig = GateConfig()
     citations: bool = False
     """Let the model cite evidence as ``[n]``, constrained to documents it has seen; citations are
     listed (with doc ids) and checked against the cited text in the trace and the API response."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .citations import check_citations, trace_docs
 from .config import RigConfig
+from .gate import settings_from_config
 from .engine.engine import EngineOptions, RigEngine
 from .engine.sequence import Sequence
 from .markers import MarkerSpec
@@ -40,6 +41,7 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         retrieval_retries=cfg.engine.retrieval_retries,
         sync_retrieval=cfg.engine.sync_retrieval,
         citations=cfg.rig.citations,
+        gate=settings_from_config(cfg.rig.gate) if cfg.rig.gate.enabled else None,
     )
     opts.update(overrides)
     return EngineOptions(**opts)

@@ -60,6 +60,8 @@ class Trace:
     total_ms: float = 0.0
     finish_reason: str = ""
     citations: list[dict] = field(default_factory=list)
+    gate: list[dict] = field(default_factory=list)
+    """Retrieval-gate decisions (allow / veto / boost) with their sub-scores (``gate.py``)."""
     """``[n]`` citations of the answer: document, sentence, valid, supported (``citations.py``)."""
 
     @property

@@ -38,6 +38,7 @@ import torch
 
 from ..citations import CitationProcessor
 from ..evidence import EvidenceFormatter
+from ..gate import GateProcessor, GateSettings
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
 from ..retrieval.base import Hit, Retriever
@@ -74,6 +75,8 @@ class EngineOptions:
     """Reference mode: re-prefill the whole batch after every hop instead of splicing."""
     citations: bool = False
     """Constrain ``[n]`` citations to documents the row's evidence showed (``citations.py``)."""
+    gate: GateSettings | None = None
+    """Retrieval gating (``gate.py``); None: every marker the model writes is served."""
 
 
 class RigEngine:
@@ -88,6 +91,7 @@ class RigEngine:
         self.runner.reset(0)
         self.processors = [
             *extra_processors,
+            *([GateProcessor(self.vocab, options.gate)] if options.gate is not None else []),
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
                                self.stop_ids, options.newline_ends_query, options.retrieve_first),
         ]

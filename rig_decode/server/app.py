@@ -66,7 +66,7 @@ def rig_json(trace: Trace, text: str | None = None) -> dict:
                ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
     return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
             "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
-            "marker_errors": list(trace.marker_errors), "timings": timings,
+            "marker_errors": list(trace.marker_errors), "timings": timings, "gate": list(trace.gate),
             "citations": [c.to_json() for c in check_citations(text, trace_docs(trace))] if text else []}
 
 
