@@ -45,7 +45,7 @@ def _walk(state: bytes | None, data: bytes, limit: int) -> bool:
 
 
 def cited_numbers_seen(trace: Trace) -> int:
-    return sum(len(step.docs) for step in trace.retrieval_steps)
+    return len(trace.memory_docs) + sum(len(step.docs) for step in trace.retrieval_steps)
 
 
 class CitationProcessor:
@@ -157,4 +157,5 @@ def check_citations(answer: str, docs: list[RetrievedDoc]) -> list[Citation]:
 
 
 def trace_docs(trace: Trace) -> list[RetrievedDoc]:
-    return [d for step in trace.retrieval_steps for d in step.docs]
+    """Every numbered document in the answer's context: from memory, then from its hops."""
+    return list(trace.memory_docs) + [d for step in trace.retrieval_steps for d in step.docs]

@@ -46,6 +46,16 @@ class EvidenceFormatter:
     def render(self, hits: list[Hit], hop: int, budget: int | None = None, first: int = 1) -> list[int]:
         return self.render_block(hits, hop, budget, first).token_ids
 
+    def render_reference(self, numbers: list[int], budget: int | None = None) -> EvidenceBlock:
+        """The block for a hop answered from documents already in context: their numbers only."""
+        refs = ", ".join(f"[{n}]" for n in numbers)
+        body = self._encode(f"Already retrieved: see {refs} above.\n")
+        budget = self.budget if budget is None else min(budget, self.budget)
+        if len(self._head) + len(body) + len(self._tail) > budget:
+            raise ValueError(f"{budget} tokens cannot hold a reference block")
+        return EvidenceBlock(self._head + body + self._tail, f"\n<evidence>\nAlready retrieved: see {refs} above.\n"
+                             "</evidence>\n", [], False)
+
     def render_block(self, hits: list[Hit], hop: int, budget: int | None = None, first: int = 1) -> EvidenceBlock:
         """``hop`` is 1-based; ``budget`` (tokens, default the formatter's) may only shrink it;
         documents are numbered from ``first`` (1 + the documents earlier hops showed)."""

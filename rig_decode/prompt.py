@@ -34,8 +34,10 @@ def system_prompt(spec: MarkerSpec) -> str:
     )
 
 
-def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str | None = None) -> list[int]:
-    """Token ids of the chat prompt, ending where the assistant's reply starts."""
+def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str | None = None,
+                 memory: str = "") -> list[int]:
+    """Token ids of the chat prompt, ending where the assistant's reply starts; ``memory`` (an
+    evidence memory's block) is appended to the system message."""
     if isinstance(question_or_messages, str):
         if not question_or_messages.strip():
             raise ValueError("empty question")
@@ -46,6 +48,8 @@ def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str 
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     if messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system or system_prompt(spec)}, *messages]
+    if memory:
+        messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{memory}"}, *messages[1:]]
     if getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if hasattr(out, "keys") else out

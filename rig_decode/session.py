@@ -7,6 +7,7 @@ from pathlib import Path
 from .citations import check_citations, trace_docs
 from .config import RigConfig
 from .gate import settings_from_config
+from .memory import EvidenceMemory
 from .engine.engine import EngineOptions, RigEngine
 from .engine.sequence import Sequence
 from .markers import MarkerSpec
@@ -42,6 +43,7 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         sync_retrieval=cfg.engine.sync_retrieval,
         citations=cfg.rig.citations,
         gate=settings_from_config(cfg.rig.gate) if cfg.rig.gate.enabled else None,
+        reuse_similarity=cfg.rig.reuse_similarity,
     )
     opts.update(overrides)
     return EngineOptions(**opts)
@@ -67,8 +69,9 @@ class RigSession:
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
         self.engine = RigEngine(model, tokenizer, retriever, engine_options(config, model, reprefill=reprefill))
 
-    def prompt_ids(self, question) -> list[int]:
-        return build_prompt(self.tokenizer, question, self.spec, self.config.rig.system_prompt)
+    def prompt_ids(self, question, memory: EvidenceMemory | None = None) -> list[int]:
+        return build_prompt(self.tokenizer, question, self.spec, self.config.rig.system_prompt,
+                            memory.prompt_text() if memory else "")
 
     def ask(self, question) -> tuple[str, Trace]:
         """``question``: a string, or a chat as a list of ``{"role", "content"}`` messages."""
@@ -90,6 +93,22 @@ class RigSession:
             out.append((text, s.trace))
         return out
 
+    def chat(self, messages: list[dict], memory: EvidenceMemory | None = None) -> tuple[str, Trace]:
+        """Answer the last user message of a chat. With ``memory`` (one per conversation), the
+        prompt carries the documents earlier turns retrieved, a near-duplicate query references
+        them instead of searching again, and this turn's documents are remembered."""
+        question = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        seq = self.engine.new_sequence(self.prompt_ids(messages, memory), seq_id=0, question=question, memory=memory)
+        self.engine.generate([seq])
+        text = self.answer_text(seq)
+        seq.trace.citations = [c.to_json() for c in check_citations(text, trace_docs(seq.trace))]
+        if memory is not None:
+            memory.remember(seq.trace)
+        return text, seq.trace
+
+    def conversation(self) -> "Conversation":
+        return Conversation(self)
+
     def answer_text(self, seq: Sequence) -> str:
         if not self.config.rig.show_markers:
             return seq.matcher.visible_text().strip()
@@ -100,3 +119,16 @@ class RigSession:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class Conversation:
+    """A multi-turn chat with its own evidence memory: ``conv.ask(text) -> (answer, trace)``."""
+
+    def __init__(self, session: RigSession):
+        self.session, self.messages, self.memory = session, [], EvidenceMemory()
+
+    def ask(self, text: str) -> tuple[str, Trace]:
+        self.messages.append({"role": "user", "content": text})
+        answer, trace = self.session.chat(self.messages, self.memory)
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer, trace

@@ -61,6 +61,8 @@ class Trace:
     finish_reason: str = ""
     citations: list[dict] = field(default_factory=list)
     gate: list[dict] = field(default_factory=list)
+    memory_docs: list[RetrievedDoc] = field(default_factory=list)
+    """Documents the prompt carried from earlier turns (numbered 1..len); this answer's continue."""
     """Retrieval-gate decisions (allow / veto / boost) with their sub-scores (``gate.py``)."""
     """``[n]`` citations of the answer: document, sentence, valid, supported (``citations.py``)."""
 

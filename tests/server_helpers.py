@@ -36,7 +36,8 @@ class ScriptAll:
 
 def tiny_engine(model, tok, *, endless=False, retriever=None, **opts) -> RigEngine:
     options = EngineOptions(**{"max_iterations": 2, "max_new_tokens": 120, "evidence_token_budget": 64,
-                               "top_k": 2, "newline_ends_query": False, **opts})
+                               "top_k": 2, "newline_ends_query": False, "reuse_similarity": 0.8,
+                               **opts})
     engine = RigEngine(model, tok, retriever or ScriptedRetriever(), options)
     engine.processors.insert(0, ScriptAll(engine.vocab, tok, engine.stop_ids[0], endless))
     return engine

@@ -179,7 +179,8 @@ def test_api_key(model, tok):
 
 
 def test_client_disconnect_cancels_the_request(model, tok):
-    engine = tiny_engine(model, tok, endless=True, max_new_tokens=1000)
+    # a slow search keeps the non-streaming request parked while its client gives up
+    engine = tiny_engine(model, tok, endless=True, max_new_tokens=1000, retriever=ScriptedRetriever(delay_s=1.5))
     app = create_app(tiny_config(), engine=engine)
     with serve(app) as base, httpx.Client(timeout=30) as http:
         with http.stream("POST", base + "/v1/chat/completions",
@@ -228,3 +229,15 @@ def test_an_engine_failure_is_a_500_and_the_server_recovers(model, tok, monkeypa
         monkeypatch.setattr(engine.runner, "step", real_step)
         ok = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": MSG})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+def test_conversation_memory_across_requests(client):
+    body = {"rig": {"conversation_id": "c-1"}}
+    first = client.chat.completions.create(model="tiny", messages=MSG, extra_body=body)
+    assert first.model_extra["rig"]["num_hops"] == 1
+    follow = MSG + [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": "And who approved it?"}]
+    second = client.chat.completions.create(model="tiny", messages=follow, extra_body=body)
+    hop = second.model_extra["rig"]["hops"][0]
+    assert hop["info"]["reuse"]["query"] == QUERY and hop["docs"] == []  # same query: not searched again
+    other = client.chat.completions.create(model="tiny", messages=follow, extra_body={"rig": {"conversation_id": "c-2"}})
+    assert "reuse" not in other.model_extra["rig"]["hops"][0]["info"]

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..citations import CitationProcessor
+from ..citations import CitationProcessor, trace_docs
 from ..evidence import EvidenceFormatter
 from ..gate import GateProcessor, GateSettings
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
+from ..memory import EvidenceMemory, Reuse, find_reuse
 from ..retrieval.base import Hit, Retriever
 from ..trace import RetrievalStep, RetrievedDoc
 from .retrieval_worker import RetrievalResult, RetrievalWorker
@@ -77,6 +78,9 @@ class EngineOptions:
     """Constrain ``[n]`` citations to documents the row's evidence showed (``citations.py``)."""
     gate: GateSettings | None = None
     """Retrieval gating (``gate.py``); None: every marker the model writes is served."""
+    reuse_similarity: float | None = None
+    """A hop whose query is at least this similar to an earlier one (this answer's, or the
+    conversation memory's) references that query's documents instead of searching again."""
 
 
 class RigEngine:
@@ -109,7 +113,7 @@ class RigEngine:
     def new_sequence(self, prompt_ids: list[int], seq_id: int = 0, question: str = "", *,
                      max_new_tokens: int | None = None, max_iterations: int | None = None,
                      top_k: int | None = None, temperature: float | None = None, top_p: float | None = None,
-                     seed: int | None = None) -> Sequence:
+                     seed: int | None = None, memory: EvidenceMemory | None = None) -> Sequence:
         """A request's sequence; the keyword arguments override the engine's options for it alone."""
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -127,8 +131,11 @@ class RigEngine:
             gen = torch.Generator().manual_seed((self.opts.seed if seed is None else seed) + seq_id)
         seq = Sequence(seq_id, list(prompt_ids), MarkerMatcher(self.vocab),
                        self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens, gen,
-                       max_iterations=max_iterations, top_k=top_k, temperature=temperature, top_p=top_p)
+                       max_iterations=max_iterations, top_k=top_k, temperature=temperature, top_p=top_p,
+                       memory=memory)
         seq.trace.question = question
+        if memory is not None:
+            seq.trace.memory_docs = list(memory.docs)
         budget = self.opts.kv_budget_tokens
         if budget is not None and self._worst_case(seq) > budget:
             raise ValueError(f"request needs up to {self._worst_case(seq)} KV tokens "
@@ -304,7 +311,12 @@ class RigEngine:
         """Hand the parked rows' queries to the worker (an empty query gets no search)."""
         for s in parked:
             s.parked_at = now
-            if s.query:
+            reuse = None
+            if s.query and self.opts.reuse_similarity is not None:
+                reuse = find_reuse(s.query, s.memory, s.trace, self.opts.reuse_similarity)
+            if reuse is not None:  # answered from documents already in context: no search
+                self._splice(s, [], None, now, reuse=reuse)
+            elif s.query:
                 s.ticket = self.worker.submit(s.seq_id, s.query, s.top_k)
             else:
                 self._splice(s, [], "empty query", now)
@@ -324,24 +336,27 @@ class RigEngine:
                 self._splice(s, r.hits, r.error, now, r.latency_ms, r.batch_size, r.attempts)
 
     def _splice(self, s: Sequence, hits: list[Hit], error: str | None, now: float, latency_ms: float = 0.0,
-                batch_size: int = 0, attempts: int = 0) -> None:
+                batch_size: int = 0, attempts: int = 0, reuse: Reuse | None = None) -> None:
         """Queue the evidence block behind the marker-completing token; the row runs again."""
         step = RetrievalStep(s.matcher.num_markers, s.query or "", latency_ms=latency_ms, batch_size=batch_size,
                              position=len(s.token_ids), error=error)
         step.info = dict(getattr(hits, "info", {}))
         if attempts > 1:
             step.info["attempts"] = attempts
+        if reuse is not None:
+            step.info["reuse"] = {"similarity": reuse.similarity, "query": reuse.query, "numbers": reuse.numbers}
         step.fallback = step.info.get("fallback")
-        if error or step.info.get("empty"):
+        if reuse is None and (error or step.info.get("empty")):
             step.fallback = "no-evidence block" if error else f"{step.fallback}; no-evidence block"
         s.trace.retrieval_steps.append(step)
         s.trace.retrieval_ms += latency_ms
         s.trace.parked_ms += (now - s.parked_at) * 1e3
         s.ticket = 0
         room = self.runner.context_limit - len(s.token_ids) - 1
-        first = 1 + sum(len(st.docs) for st in s.trace.retrieval_steps)
+        first = 1 + len(trace_docs(s.trace))
         try:
-            block = self.formatter.render_block(hits, step.round, budget=room, first=first)
+            block = (self.formatter.render_reference(reuse.numbers, budget=room) if reuse is not None
+                     else self.formatter.render_block(hits, step.round, budget=room, first=first))
         except ValueError:
             step.error = "context full: no room for evidence"
             self._finish(s, "context_full", now)

@@ -15,6 +15,7 @@ from enum import Enum
 import torch
 
 from ..markers import MarkerMatcher
+from ..memory import EvidenceMemory
 from ..trace import Trace
 
 
@@ -53,6 +54,8 @@ class Sequence:
     top_k: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    memory: EvidenceMemory | None = None
+    """The conversation's evidence memory (documents its prompt carries, earlier queries)."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

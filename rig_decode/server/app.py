@@ -18,6 +18,7 @@ import html
 import json
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from importlib import resources
 from pathlib import Path
@@ -32,6 +33,7 @@ from ..config import RigConfig
 from ..engine.async_engine import AsyncRigEngine, FinishEvent, HopEvent, RequestHandle, TokenEvent
 from ..engine.engine import RigEngine
 from ..markers import MarkerSpec
+from ..memory import EvidenceMemory
 from ..prompt import build_prompt
 from ..textstream import TextDeltas
 from ..trace import RetrievalStep, Trace
@@ -85,6 +87,19 @@ class Server:
         self.model_id = config.server.model_name or Path(config.model.name).name
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
         self.created = int(time.time())
+        self.memories: OrderedDict[str, EvidenceMemory] = OrderedDict()
+
+    MAX_CONVERSATIONS = 1024
+
+    def memory(self, conversation_id: str | None) -> EvidenceMemory | None:
+        """The conversation's evidence memory (the least recently used ones are forgotten)."""
+        if conversation_id is None:
+            return None
+        memory = self.memories.pop(conversation_id, None) or EvidenceMemory()
+        self.memories[conversation_id] = memory
+        while len(self.memories) > self.MAX_CONVERSATIONS:
+            self.memories.popitem(last=False)
+        return memory
 
     # -- requests -> sequences ---------------------------------------------------------------------
 
@@ -94,7 +109,7 @@ class Server:
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            "authentication_error", "invalid_api_key")
 
-    def prompt_ids(self, req: _Common) -> list[int]:
+    def prompt_ids(self, req: _Common, memory: EvidenceMemory | None = None) -> list[int]:
         tok = self.engine.tokenizer
         if isinstance(req, ChatCompletionRequest):
             try:
@@ -102,7 +117,8 @@ class Server:
                             for m in req.messages]
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            return build_prompt(tok, messages, self.spec, self.config.rig.system_prompt)
+            return build_prompt(tok, messages, self.spec, self.config.rig.system_prompt,
+                                memory.prompt_text() if memory else "")
         if not req.prompt:
             raise ApiError(400, "prompt is empty", param="prompt")
         return tok.encode(req.prompt, add_special_tokens=False)
@@ -115,7 +131,8 @@ class Server:
             raise ApiError(429, f"server busy: {self.front.num_active} requests in flight "
                                 f"(server.max_concurrency = {self.config.server.max_concurrency}); retry later",
                            "rate_limit_error", "overloaded", headers={"Retry-After": "1"})
-        ids = self.prompt_ids(req)
+        memory = self.memory(req.rig.conversation_id)
+        ids = self.prompt_ids(req, memory)
         limit = self.engine.runner.context_limit
         max_new = req.token_limit or self.config.model.max_tokens
         if len(ids) + max_new > limit:
@@ -128,7 +145,7 @@ class Server:
         try:
             return self.front.submit(ids, question=_question(req), max_new_tokens=max_new,
                                      max_iterations=hops, top_k=req.rig.top_k, temperature=req.temperature,
-                                     top_p=req.top_p, seed=req.seed)
+                                     top_p=req.top_p, seed=req.seed, memory=memory)
         except ValueError as e:  # prompt too long for the context or the KV budget
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
@@ -158,6 +175,8 @@ class Server:
                     yield "", ev.step, None
                 elif isinstance(ev, FinishEvent):
                     finished = True
+                    if handle.seq.memory is not None and ev.reason != "error":
+                        handle.seq.memory.remember(ev.trace)
                     delta = text.delta(final=True)
                     if delta:
                         yield delta, None, None

@@ -22,6 +22,9 @@ class RigOptions(BaseModel):
     """False: answer without retrieval (no hop can start)."""
     show_evidence: bool = False
     """True: ``content`` is the raw completion, markers and evidence blocks included."""
+    conversation_id: str | None = Field(None, min_length=1, max_length=128)
+    """Requests with the same id share an evidence memory: earlier turns' documents are in the
+    prompt and near-duplicate queries are not searched again."""
 
 
 class ChatMessage(BaseModel):

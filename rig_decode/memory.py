@@ -1,0 +1,78 @@
+"""Evidence memory: what a conversation (or one answer) has already retrieved.
+
+A follow-up question is often about what was just retrieved. The memory keeps the numbered
+documents earlier turns spliced and the queries that found them. A new turn's prompt carries those
+documents once (numbered as before, so ``[n]`` keeps its meaning), and a hop whose query is a
+near-duplicate of an earlier one (token-set similarity >= ``rig.reuse_similarity``), in this
+conversation or earlier in the same answer, is answered by a short reference to the documents it
+found instead of a new search and a new splice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .retrieval.text import tokenize
+from .trace import RetrievedDoc, Trace
+
+
+def query_similarity(a: str, b: str) -> float:
+    """Jaccard similarity of the two queries' word sets (stopwords dropped; codes kept whole)."""
+    x, y = set(tokenize(a)), set(tokenize(b))
+    if not x or not y:
+        return 0.0
+    return len(x & y) / len(x | y)
+
+
+@dataclass(slots=True)
+class Reuse:
+    similarity: float
+    query: str
+    """The earlier query it matched."""
+    numbers: list[int]
+    """The documents (by evidence number) that query found."""
+
+
+@dataclass(slots=True)
+class EvidenceMemory:
+    docs: list[RetrievedDoc] = field(default_factory=list)
+    """Numbered 1..N in the order they were first spliced."""
+    queries: list[tuple[str, list[int]]] = field(default_factory=list)
+
+    def remember(self, trace: Trace) -> None:
+        """Add a finished turn's hops: new documents get the next numbers, known ones keep theirs."""
+        known = {d.id: d.number for d in self.docs}
+        for step in trace.retrieval_steps:
+            numbers = []
+            for d in step.docs:
+                if d.id not in known:
+                    known[d.id] = len(self.docs) + 1
+                    self.docs.append(RetrievedDoc(d.id, d.title, d.score, d.source, known[d.id], d.text))
+                numbers.append(known[d.id])
+            if step.docs or step.info.get("reuse"):
+                reused = step.info.get("reuse", {}).get("numbers", [])
+                self.queries.append((step.query, numbers or list(reused)))
+
+    def prompt_text(self) -> str:
+        """The block a new turn's prompt carries: every remembered document, with its number."""
+        if not self.docs:
+            return ""
+        lines = "".join(f"[{d.number}] {d.title + ': ' if d.title else ''}{' '.join(d.text.split())}\n"
+                        for d in self.docs)
+        return f"Evidence retrieved earlier in this conversation:\n<evidence>\n{lines}</evidence>"
+
+
+def find_reuse(query: str, memory: EvidenceMemory | None, trace: Trace, threshold: float) -> Reuse | None:
+    """The most similar earlier query (conversation memory, then this answer's hops), when it is
+    at least ``threshold`` similar."""
+    candidates = list(memory.queries) if memory else []
+    candidates += [(s.query, [d.number for d in s.docs] or s.info.get("reuse", {}).get("numbers", []))
+                   for s in trace.retrieval_steps if s.query]
+    best = None
+    for earlier, numbers in candidates:
+        if not numbers:
+            continue
+        sim = query_similarity(query, earlier)
+        if sim >= threshold and (best is None or sim > best.similarity):
+            best = Reuse(round(sim, 4), earlier, list(numbers))
+    return best
