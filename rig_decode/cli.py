@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from importlib import resources
 
 DEMO_QUESTIONS = "demo_questions.json"
@@ -84,14 +85,50 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_eval_conversations(args) -> int:
+    from .eval import conversations as C
+    from .models.loader import load_model
+    from .retrieval.factory import build_retriever
+    from .retrieval.ingest import load_documents
+
+    convs = C.load_conversations(args.dataset, args.limit)
+    corpus_path = Path(args.dataset).parent / "corpus.jsonl"
+    corpus = load_documents(corpus_path) if corpus_path.is_file() else None
+    cfg = _load_config(argparse.Namespace(config=args.config, max_tokens=args.max_tokens))
+    _quiet_hf()
+    model, tokenizer = load_model(cfg.model)
+    retriever = build_retriever(cfg.retriever, corpus=corpus)
+    methods = [m.strip() for m in (args.methods or ",".join(C.METHODS)).split(",") if m.strip()]
+    results = C.run_conversations(cfg, model, tokenizer, retriever, convs, methods, args.batch_size,
+                                  progress=not args.no_progress)
+    summary = {m: C.aggregate(r["records"]) | {"wall_s": r["wall_s"]} for m, r in results.items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "traces.jsonl").open("w", encoding="utf-8") as f:
+        for m, r in results.items():
+            for rec in r["records"]:
+                f.write(json.dumps({"method": m, **rec}, ensure_ascii=False) + "\n")
+    meta = {"dataset": str(args.dataset), "model": cfg.model.name, "conversations": len(convs),
+            "command": "rig " + shlex.join(args.argv)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": summary}, indent=2) + "\n")
+    report = f"# Multi-turn evaluation\n\n    {meta['command']}\n\n{C.table(summary)}"
+    (out / "report.md").write_text(report)
+    print(C.table(summary))
+    if args.json:
+        print(json.dumps({"runs": summary}))
+    return 0
+
+
 def cmd_eval(args) -> int:
+    if args.conversations:
+        return cmd_eval_conversations(args)
     from .eval.datasets import load_dataset
     from .eval.report import hops_table, markdown_table, write_outputs
     from .eval.runner import EvalRunner, plan
     from .models.loader import load_model
     from .retrieval.factory import build_retriever
 
-    keys = plan([m.strip() for m in args.methods.split(",") if m.strip()],
+    keys = plan([m.strip() for m in (args.methods or "none,rag,rig,rig-reprefill").split(",") if m.strip()],
                 [int(x) for x in args.max_iterations.split(",")],
                 [int(x) for x in args.reference_iterations.split(",")] if args.reference_iterations else None)
     examples, corpus = load_dataset(args.dataset, args.limit)
@@ -234,7 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate methods (none, rag, rig, rig-reprefill) on a dataset")
     ev.add_argument("--dataset", required=True, help="JSONL (our format) or HotpotQA-style JSON/JSONL")
     ev.add_argument("--config", help="YAML config")
-    ev.add_argument("--methods", default="none,rag,rig,rig-reprefill")
+    ev.add_argument("--methods", help="default none,rag,rig,rig-reprefill; with --conversations "
+                                       "rig,rig+memory,rig+memory+gate")
+    ev.add_argument("--conversations", action="store_true",
+                    help="the dataset holds multi-turn conversations (rig synth's conversations-*.jsonl)")
     ev.add_argument("--max-iterations", default="1,2,3", help="comma-separated hop budgets for the rig methods")
     ev.add_argument("--reference-iterations", help="run rig-reprefill only at these hop budgets (default: all)")
     ev.add_argument("--limit", type=int, help="first N questions only")

@@ -47,3 +47,57 @@ def test_all_methods_end_to_end(model, tok, tmp_path):
     assert {"id", "method", "prediction", "em", "f1", "trace"} <= set(rec)
     assert "| rig@2 |" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "accuracy_vs_max_iterations.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_conversation_eval_counts_redundant_retrieval(model, tok):
+    """A model that writes the same query on every turn: with memory, the clarification's (and the
+    follow-up's) repeated query is answered from context instead of searched again."""
+    from rig_decode.config import RigConfig
+    from rig_decode.eval.conversations import aggregate, run_conversations
+    from rig_decode.eval.synth import generate
+
+    from .helpers import ScriptedRetriever
+
+    chats: dict = {}
+    generate(seed=1, scale=0.34, conversations=chats)
+    convs = chats["test"][:3]
+
+    class SameQueryEveryTurn:
+        """Writes the first turn's lookup query as a marker on every turn, then stops."""
+
+        def __init__(self, engine, query):
+            self.plan = engine.vocab.marker_token_ids(query) + [engine.stop_ids[0]]
+
+        def apply(self, rows, scores):
+            for i, seq in enumerate(rows):
+                if seq.trace.question.startswith(("Thanks", "Great", "Hello", "Nice", "You're", "Good")):
+                    continue  # chit-chat: the model's own (tiny, random) choice, which the gate judges
+                k = min(seq.num_generated, len(self.plan) - 1)
+                scores[i].fill_(float("-inf"))
+                scores[i, self.plan[k]] = 0.0
+            return scores
+
+    cfg = RigConfig.from_dict({"rig": {"max_iterations": 1, "newline_ends_query": False, "citations": True,
+                                       "gate": {"enabled": True}},
+                               "model": {"max_tokens": 24}})
+    import rig_decode.eval.conversations as C
+
+    real = C.RigEngine
+
+    class Scripted(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.processors.insert(0, SameQueryEveryTurn(self, "lookup query"))
+
+    C.RigEngine = Scripted
+    try:
+        results = run_conversations(cfg, model, tok, ScriptedRetriever(), convs, ["rig", "rig+memory"],
+                                    batch_size=4, progress=False)
+    finally:
+        C.RigEngine = real
+    plain, memory = aggregate(results["rig"]["records"]), aggregate(results["rig+memory"]["records"])
+    assert plain["clarification_retrieval_rate"] == 1.0  # searched the same thing again
+    assert memory["clarification_retrieval_rate"] == 0.0  # referenced the first turn's documents
+    assert memory["searches_per_conversation"] < plain["searches_per_conversation"]
+    assert memory["reused_hops_per_conversation"] >= 2  # clarification and follow-up repeat the query
+    assert memory["citation_validity"] in (None, 1.0)

@@ -181,14 +181,52 @@ def world_questions(w: World, rng: random.Random, per_hop: dict[int, int]) -> li
     return out
 
 
+_FOLLOW = {  # (relation of the answer entity to ask about next, question template)
+    "company": [("hq", "And in which city is {e} headquartered?"), ("founder", "Who founded {e}, then?")],
+    "person": [("birthplace", "Where was {e} born?")],
+    "city": [("country", "Which country is {e} in?")],
+}
+_CLARIFY = ["Sorry, what was the answer again?", "Can you repeat that?", "Just to confirm: what did you say it was?"]
+_CHIT_CHAT = ["Thanks, that helps!", "Great, thank you.", "Hello! How are you today?", "Nice, that's all for now.",
+              "You're very helpful.", "Good morning!"]
+
+
+def world_conversations(w: World, rng: random.Random, n: int) -> list[dict]:
+    """Multi-turn chats over a world: a 1-hop lookup, a clarification that repeats it (its answer
+    is already in context: retrieving again is redundant), a follow-up about the entity just
+    found (needs one new document), and chit-chat that needs no retrieval."""
+    starts = [(tid, kind, path, text) for tid, kind, path, text in _TEMPLATES
+              if len(path) == 1 and tid in ("maker", "hq", "founder")]
+    out = []
+    for i in range(n):
+        tid, kind, path, text = rng.choice(starts)
+        e = rng.choice([x for x, k in w.kinds.items() if k == kind])
+        found = w.facts[e][path[0]]
+        follow_rel, follow_text = rng.choice(_FOLLOW[w.kinds[found]])
+        turns = [
+            {"question": text.format(e=e), "answers": [found], "kind": "lookup",
+             "supporting_docs": [_doc_id(kind, e)], "needs_retrieval": True},
+            {"question": rng.choice(_CLARIFY), "answers": [found], "kind": "clarification",
+             "supporting_docs": [_doc_id(kind, e)], "needs_retrieval": False},
+            {"question": follow_text.format(e=found), "answers": [w.facts[found][follow_rel]], "kind": "follow_up",
+             "supporting_docs": [_doc_id(w.kinds[found], found)], "needs_retrieval": True},
+            {"question": rng.choice(_CHIT_CHAT), "answers": [], "kind": "chit_chat", "supporting_docs": [],
+             "needs_retrieval": False},
+        ]
+        out.append({"id": f"conv-{w.split}-{i:04d}", "split": w.split, "turns": turns})
+    return out
+
+
 SPLIT_UNITS = {"train": 8, "dev": 2, "test": 3}
 """World size of each split; question counts scale with it (``per_hop`` is for the test split)."""
 
 
-def generate(seed: int = 0, scale: float = 1.0, per_hop: dict[int, int] | None = None
-             ) -> tuple[list[dict], dict[str, list[SynthQuestion]]]:
+def generate(seed: int = 0, scale: float = 1.0, per_hop: dict[int, int] | None = None,
+             conversations: dict[str, list[dict]] | None = None) -> tuple[list[dict], dict[str, list[SynthQuestion]]]:
     """(corpus documents, questions per split). ``scale`` multiplies world sizes and question
-    counts; ``per_hop`` gives the test split's number of questions per hop count."""
+    counts; ``per_hop`` gives the test split's number of questions per hop count. A dict passed as
+    ``conversations`` receives each split's multi-turn chats (drawn after the questions, so the
+    questions do not depend on it)."""
     per_hop = per_hop or {0: 60, 1: 90, 2: 90, 3: 90}
     rng = random.Random(seed)
     names = _Names(rng)
@@ -201,6 +239,9 @@ def generate(seed: int = 0, scale: float = 1.0, per_hop: dict[int, int] | None =
         corpus += list(w.docs.values())
         want = {h: round(n * scale * units / SPLIT_UNITS["test"]) for h, n in per_hop.items()}
         splits[split] = world_questions(w, rng, want)
+        if conversations is not None:
+            conversations[split] = world_conversations(w, random.Random(f"{seed}-{split}-conversations"),
+                                                       round(40 * scale * units / SPLIT_UNITS["test"]))
     return corpus, splits
 
 
@@ -208,7 +249,8 @@ def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, per_hop: dict[
     """Write ``corpus.jsonl`` and ``{train,dev,test}.jsonl`` (the eval dataset format)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus, splits = generate(seed, scale, per_hop)
+    chats: dict[str, list[dict]] = {}
+    corpus, splits = generate(seed, scale, per_hop, chats)
     with (out / "corpus.jsonl").open("w", encoding="utf-8") as f:
         for d in corpus:
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
@@ -218,4 +260,8 @@ def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, per_hop: dict[
             for q in qs:
                 f.write(json.dumps(asdict(q), ensure_ascii=False) + "\n")
         counts[split] = len(qs)
+        with (out / f"conversations-{split}.jsonl").open("w", encoding="utf-8") as f:
+            for c in chats[split]:
+                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        counts[f"conversations-{split}"] = len(chats[split])
     return counts
