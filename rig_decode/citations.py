@@ -45,7 +45,8 @@ def _walk(state: bytes | None, data: bytes, limit: int) -> bool:
 
 
 def cited_numbers_seen(trace: Trace) -> int:
-    return len(trace.memory_docs) + sum(len(step.docs) for step in trace.retrieval_steps)
+    """The highest evidence number in the answer's context (citable: 1..this)."""
+    return max((d.number for d in trace_docs(trace)), default=0)
 
 
 class CitationProcessor:

@@ -3,13 +3,14 @@
 A block is tokenised on its own (never merged with the text around it, so earlier token ids stay
 as they are) and fits a token budget: documents are added best first, the one that crosses the
 budget is cut at a token boundary and marked with an ellipsis, the rest are dropped. Documents are
-numbered so answers can cite them, continuing across a sequence's hops (``first``): ``[n]`` names
-one document in the whole answer. The same hits always give the same token ids.
+numbered so answers can cite them, across a sequence's hops and a conversation's turns
+(``number_hits``): a document keeps its number, a new one gets the next, so ``[n]`` names one
+document throughout. The same hits always give the same token ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .retrieval.base import Hit
 
@@ -23,6 +24,22 @@ class EvidenceBlock:
     text: str
     doc_ids: list[str]
     truncated: bool
+    shown: list[str] = field(default_factory=list)
+    """Per rendered document, the text the block shows of it (cut where the budget cut it)."""
+
+
+def number_hits(hits: list[Hit], known: dict[str, int]) -> list[int]:
+    """Each hit's evidence number: a document already numbered (``known``: doc id -> number) keeps
+    its number, a new one gets the next after the highest."""
+    nxt = max(known.values(), default=0) + 1
+    out, fresh = [], {}
+    for h in hits:
+        n = known.get(h.doc_id) or fresh.get(h.doc_id)
+        if n is None:
+            n = fresh[h.doc_id] = nxt
+            nxt += 1
+        out.append(n)
+    return out
 
 
 class EvidenceFormatter:
@@ -43,8 +60,9 @@ class EvidenceFormatter:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def render(self, hits: list[Hit], hop: int, budget: int | None = None, first: int = 1) -> list[int]:
-        return self.render_block(hits, hop, budget, first).token_ids
+    def render(self, hits: list[Hit], hop: int, budget: int | None = None,
+               numbers: list[int] | None = None) -> list[int]:
+        return self.render_block(hits, hop, budget, numbers).token_ids
 
     def render_reference(self, numbers: list[int], budget: int | None = None) -> EvidenceBlock:
         """The block for a hop answered from documents already in context: their numbers only."""
@@ -56,9 +74,10 @@ class EvidenceFormatter:
         return EvidenceBlock(self._head + body + self._tail, f"\n<evidence>\nAlready retrieved: see {refs} above.\n"
                              "</evidence>\n", [], False)
 
-    def render_block(self, hits: list[Hit], hop: int, budget: int | None = None, first: int = 1) -> EvidenceBlock:
+    def render_block(self, hits: list[Hit], hop: int, budget: int | None = None,
+                     numbers: list[int] | None = None) -> EvidenceBlock:
         """``hop`` is 1-based; ``budget`` (tokens, default the formatter's) may only shrink it;
-        documents are numbered from ``first`` (1 + the documents earlier hops showed)."""
+        ``numbers``: each hit's number (``number_hits``; default 1, 2, ...)."""
         budget = self.budget if budget is None else min(budget, self.budget)
         if budget < self.min_budget:
             raise ValueError(f"{budget} tokens cannot hold an evidence block")
@@ -66,10 +85,13 @@ class EvidenceFormatter:
         body: list[int] = []
         lines: list[str] = []
         doc_ids: list[str] = []
+        shown: list[str] = []
         truncated = False
-        for n, hit in enumerate(hits, first):
+        numbers = numbers or list(range(1, len(hits) + 1))
+        for n, hit in zip(numbers, hits):
             title = f"{hit.title}: " if hit.title else ""
-            line = f"[{n}] {title}{' '.join(hit.text.split())}\n"
+            text = " ".join(hit.text.split())
+            line = f"[{n}] {title}{text}\n"
             ids = self._encode(line)
             if len(ids) > room:
                 keep = room - len(self._ellipsis)
@@ -79,13 +101,15 @@ class EvidenceFormatter:
                     body += ids
                     lines.append(line)
                     doc_ids.append(hit.doc_id)
+                    shown.append(line[len(f"[{n}] {title}"):].rstrip("\n"))
                 truncated = True
                 break
             body += ids
             room -= len(ids)
             lines.append(line)
             doc_ids.append(hit.doc_id)
+            shown.append(text)
         if not body:
             body, lines = list(self._empty), [NO_EVIDENCE + "\n"]
         text = "\n<evidence>\n" + "".join(lines) + "</evidence>\n"
-        return EvidenceBlock(self._head + body + self._tail, text, doc_ids, truncated)
+        return EvidenceBlock(self._head + body + self._tail, text, doc_ids, truncated, shown)

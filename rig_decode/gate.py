@@ -95,8 +95,8 @@ def coverage(question: str, evidence: str) -> float:
 class GateProcessor:
     """Engine logits processor: gates marker openings (veto / allow) and optionally boosts them."""
 
-    def __init__(self, vocab: MarkerVocab, settings: GateSettings = GateSettings()):
-        self.vocab, self.s = vocab, settings
+    def __init__(self, vocab: MarkerVocab, settings: GateSettings = GateSettings(), max_iterations: int | None = None):
+        self.vocab, self.s, self.max_iterations = vocab, settings, max_iterations
         self.opening = opening_ids(vocab)
         self.rules = [(re.compile(r.pattern, re.I), r.sensitivity) for r in settings.rules]
         self.weights = dict(settings.weights)
@@ -119,7 +119,7 @@ class GateProcessor:
         opening = self.opening.to(scores.device)
         for i, row in enumerate(rows):
             m = row.matcher
-            if m.is_open or any(m.start_states) or not _may_retrieve(row):
+            if m.is_open or any(m.start_states) or not _may_retrieve(row, self.max_iterations):
                 continue
             logprobs = torch.log_softmax(scores[i].float(), dim=-1)
             p_open = float(logprobs[opening].exp().sum())
@@ -153,8 +153,10 @@ class GateProcessor:
         return scores
 
 
-def _may_retrieve(row) -> bool:
+def _may_retrieve(row, default: int | None) -> bool:
+    """The row has hops left (its own budget, else the engine's): otherwise nothing to gate."""
     limit = getattr(row, "max_iterations", None)
+    limit = default if limit is None else limit
     return limit is None or row.matcher.num_markers < limit
 
 

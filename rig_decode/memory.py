@@ -36,36 +36,40 @@ class Reuse:
 @dataclass(slots=True)
 class EvidenceMemory:
     docs: list[RetrievedDoc] = field(default_factory=list)
-    """Numbered 1..N in the order they were first spliced."""
+    """Every document the conversation's answers were shown, with the number it was shown under."""
     queries: list[tuple[str, list[int]]] = field(default_factory=list)
+    max_prompt_docs: int = 8
+    """A new turn's prompt carries the most recent this many documents (numbers unchanged)."""
 
     def remember(self, trace: Trace) -> None:
-        """Add a finished turn's hops: new documents get the next numbers, known ones keep theirs."""
-        known = {d.id: d.number for d in self.docs}
+        """Add a finished turn's hops (their documents already carry conversation-wide numbers)."""
+        known = {d.id for d in self.docs}
         for step in trace.retrieval_steps:
-            numbers = []
             for d in step.docs:
                 if d.id not in known:
-                    known[d.id] = len(self.docs) + 1
-                    self.docs.append(RetrievedDoc(d.id, d.title, d.score, d.source, known[d.id], d.text))
-                numbers.append(known[d.id])
-            if step.docs or step.info.get("reuse"):
-                reused = step.info.get("reuse", {}).get("numbers", [])
-                self.queries.append((step.query, numbers or list(reused)))
+                    known.add(d.id)
+                    self.docs.append(RetrievedDoc(d.id, d.title, d.score, d.source, d.number, d.text))
+            numbers = [d.number for d in step.docs] or list(step.info.get("reuse", {}).get("numbers", []))
+            if numbers:
+                self.queries.append((step.query, numbers))
+
+    def in_prompt(self) -> list[RetrievedDoc]:
+        return self.docs[-self.max_prompt_docs :] if self.max_prompt_docs else []
 
     def prompt_text(self) -> str:
-        """The block a new turn's prompt carries: every remembered document, with its number."""
-        if not self.docs:
+        """The block a new turn's prompt carries: the most recent documents, with their numbers."""
+        docs = self.in_prompt()
+        if not docs:
             return ""
-        lines = "".join(f"[{d.number}] {d.title + ': ' if d.title else ''}{' '.join(d.text.split())}\n"
-                        for d in self.docs)
+        lines = "".join(f"[{d.number}] {d.title + ': ' if d.title else ''}{' '.join(d.text.split())}\n" for d in docs)
         return f"Evidence retrieved earlier in this conversation:\n<evidence>\n{lines}</evidence>"
 
 
 def find_reuse(query: str, memory: EvidenceMemory | None, trace: Trace, threshold: float) -> Reuse | None:
     """The most similar earlier query (conversation memory, then this answer's hops), when it is
     at least ``threshold`` similar."""
-    candidates = list(memory.queries) if memory else []
+    in_context = {d.number for d in memory.in_prompt()} if memory else set()
+    candidates = [(q, n) for q, n in memory.queries if set(n) <= in_context] if memory else []
     candidates += [(s.query, [d.number for d in s.docs] or s.info.get("reuse", {}).get("numbers", []))
                    for s in trace.retrieval_steps if s.query]
     best = None

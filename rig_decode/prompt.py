@@ -21,7 +21,7 @@ Answer: {q1}
 </evidence>
 {q2}
 <evidence>
-[1] Release approval for 9.9.9: Release 9.9.9 was approved by Alex Example.
+[2] Release approval for 9.9.9: Release 9.9.9 was approved by Alex Example.
 </evidence>
 Release 9.9.9 fixed error E9999, and Alex Example approved it."""
 

@@ -9,7 +9,6 @@ deltas are exactly the final text.
 
 from __future__ import annotations
 
-from .engine.sequence import Sequence
 from .markers import MarkerVocab
 
 
@@ -24,33 +23,37 @@ def complete_utf8(data: bytes) -> bytes:
 
 
 class TextDeltas:
-    """Hands out a sequence's answer text as it becomes final.
+    """Hands out an answer's text as it becomes final, from the snapshots the engine's events carry.
 
     ``raw``: the whole completion as the model saw it (markers and evidence blocks included),
     instead of the answer with markers hidden and evidence left out. ``stop``: strings that end
     the answer (not included), as in OpenAI's API; ``stopped`` tells when one was found.
     """
 
-    def __init__(self, seq: Sequence, vocab: MarkerVocab, stop_ids: list[int], raw: bool = False,
-                 stop: list[str] | None = None):
-        self.seq, self.vocab, self.stop_ids, self.raw = seq, vocab, set(stop_ids), raw
+    def __init__(self, vocab: MarkerVocab, stop_ids: list[int], raw: bool = False, stop: list[str] | None = None):
+        self.vocab, self.stop_ids, self.raw = vocab, set(stop_ids), raw
         self.stop = [s for s in (stop or []) if s]
         self.stopped = False
         self.text = ""  # what was handed out so far
+        self._raw = bytearray()
 
-    def _bytes(self, final: bool) -> bytes:
-        if not self.raw:
-            return self.seq.matcher.visible_bytes(final)
-        ids = self.seq.completion_ids
-        if ids and ids[-1] in self.stop_ids and self.seq.finish_reason == "stop":
-            ids = ids[:-1]
-        return b"".join(self.vocab.token_bytes[t] for t in ids)
+    def feed(self, token_ids: list[int], visible: bytes, final: bool = False) -> str:
+        """The text that became final with this event: ``token_ids`` it added, ``visible`` the
+        answer's visible bytes at that point (all of them when ``final``)."""
+        if self.raw:
+            for t in token_ids:
+                if t not in self.stop_ids:  # the end-of-sequence token is not part of the answer
+                    self._raw += self.vocab.token_bytes[t]
+            data = bytes(self._raw)
+        else:
+            data = visible
+        return self.delta(data, final)
 
-    def delta(self, final: bool = False) -> str:
-        """The text that became final since the last call (all the rest when ``final``)."""
+    def delta(self, data: bytes, final: bool = False) -> str:
+        """The text of ``data`` (the answer's bytes so far) not handed out yet and no longer able
+        to change (all of it when ``final``)."""
         if self.stopped:
             return ""
-        data = self._bytes(final)
         text = (data if final else complete_utf8(data)).decode("utf-8", "replace")
         for s in self.stop:
             at = text.find(s)

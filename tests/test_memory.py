@@ -37,11 +37,15 @@ def test_memory_numbers_documents_once():
                                      RetrievedDoc("c", None, 0.5, "bm25", 4, "gamma")])])
     m = EvidenceMemory()
     m.remember(t)
-    assert [(d.id, d.number) for d in m.docs] == [("a", 1), ("b", 2), ("c", 3)]
-    assert m.queries == [("q1", [1, 2]), ("q2", [2, 3])]
-    assert "[1] A: alpha" in m.prompt_text() and "[3] gamma" in m.prompt_text()
-    assert find_reuse("q2", m, Trace(), 0.8).numbers == [2, 3]
+    assert [(d.id, d.number) for d in m.docs] == [("a", 1), ("b", 2), ("c", 4)]  # numbers as shown
+    assert m.queries == [("q1", [1, 2]), ("q2", [3, 4])]
+    assert "[1] A: alpha" in m.prompt_text() and "[4] gamma" in m.prompt_text()
+    assert find_reuse("q1", m, Trace(), 0.8).numbers == [1, 2]
     assert find_reuse("something else", m, Trace(), 0.8) is None
+    small = EvidenceMemory(max_prompt_docs=2)
+    small.remember(t)
+    assert [d.id for d in small.in_prompt()] == ["b", "c"] and "[1]" not in small.prompt_text()
+    assert find_reuse("q1", small, Trace(), 0.8) is None  # its documents left the prompt
 
 
 def test_a_repeated_query_in_one_answer_is_not_searched_again(model, tok):

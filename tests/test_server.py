@@ -241,3 +241,28 @@ def test_conversation_memory_across_requests(client):
     assert hop["info"]["reuse"]["query"] == QUERY and hop["docs"] == []  # same query: not searched again
     other = client.chat.completions.create(model="tiny", messages=follow, extra_body={"rig": {"conversation_id": "c-2"}})
     assert "reuse" not in other.model_extra["rig"]["hops"][0]["info"]
+
+
+def test_seed_reproduces_a_sampled_answer(model, tok):
+    from rig_decode.engine import EngineOptions, RigEngine
+
+    engine = RigEngine(model, tok, ScriptedRetriever(), EngineOptions(max_iterations=0, max_new_tokens=24))
+    with serve(create_app(tiny_config(), engine=engine)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+        def sampled(seed):
+            return client.completions.create(model="tiny", prompt="Release 4.2.1?", temperature=1.0,
+                                             seed=seed).choices[0].text
+
+        first = sampled(7)
+        assert sampled(7) == first and sampled(8) != first
+
+
+def test_more_bad_requests_are_400(base):
+    r = _post(base, "/v1/completions", {"model": "tiny", "prompt": "x", "rig": {"conversation_id": "c"}})
+    assert r.status_code == 400 and "conversation_id" in r.json()["error"]["message"]
+    r = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": MSG, "seed": -1})
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+    r = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]

@@ -30,13 +30,13 @@ def _stream(text: str, marker_at: int | None, query: str, stop=None, raw=False):
         text = text[:marker_at] + VOCAB.spec.render(query) + text[marker_at:]
     ids = TOK.encode(text, add_special_tokens=False)
     seq = Sequence(1, [0], MarkerMatcher(VOCAB), 1000)
-    deltas = TextDeltas(seq, VOCAB, stop_ids=[2], raw=raw, stop=stop)
+    deltas = TextDeltas(VOCAB, stop_ids=[2], raw=raw, stop=stop)
     out = []
     for t in ids:
         seq.append([t], sampled=True)
         seq.matcher.feed(t)
-        out.append(deltas.delta())
-    out.append(deltas.delta(final=True))
+        out.append(deltas.feed([t], seq.matcher.visible_bytes(final=False)))
+    out.append(deltas.feed([], seq.matcher.visible_bytes(final=True), final=True))
     return out, seq
 
 

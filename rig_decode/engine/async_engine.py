@@ -3,9 +3,14 @@
 The engine's step loop runs on its own thread. After every step the loop turns what changed into
 events and hands each to its request's asyncio queue:
 
-    TokenEvent(token_ids, mask)   tokens appended since the last event (mask 0 = evidence/forced)
+    TokenEvent(token_ids, mask, visible)  tokens appended since the last event (mask 0 = evidence/
+                                  forced), and the answer's visible bytes so far (markers removed,
+                                  a possible marker start held back)
     HopEvent(step)                a retrieval finished and its evidence was queued for splicing
-    FinishEvent(reason, trace)    the request is done; nothing follows
+    FinishEvent(reason, trace, visible)  the request is done (all visible bytes); nothing follows
+
+Events are built on the engine thread between steps, so what they carry is a consistent snapshot:
+consumers never read a sequence's state while the engine changes it.
 
 Cancelling a handle (or dropping the client) removes the sequence from the batch at the next step.
 """
@@ -26,6 +31,7 @@ from .sequence import Sequence
 class TokenEvent:
     token_ids: list[int]
     mask: list[int]
+    visible: bytes = b""
 
 
 @dataclass(slots=True)
@@ -37,6 +43,7 @@ class HopEvent:
 class FinishEvent:
     reason: str
     trace: Trace
+    visible: bytes = b""
 
 
 class RequestHandle:
@@ -50,7 +57,7 @@ class RequestHandle:
         return self.seq.seq_id
 
     def cancel(self) -> None:
-        self._engine.engine.cancel(self.seq.seq_id)
+        self.seq.cancelled = True  # seen at the next step wherever the sequence is (queue, admission, batch)
         self._engine.wake()
 
     async def __aiter__(self):
@@ -72,15 +79,17 @@ class RequestHandle:
             step = s.trace.retrieval_steps[self._sent_hops]
             end = step.position  # tokens up to the evidence go out before the hop event
             if end > self._sent_tokens:
-                out.append(TokenEvent(s.token_ids[self._sent_tokens : end], s.mask[self._sent_tokens : end]))
+                out.append(TokenEvent(s.token_ids[self._sent_tokens : end], s.mask[self._sent_tokens : end],
+                                      s.matcher.visible_bytes(final=False)))
                 self._sent_tokens = end
             out.append(HopEvent(step))
             self._sent_hops += 1
         if len(s.token_ids) > self._sent_tokens:
-            out.append(TokenEvent(s.token_ids[self._sent_tokens :], s.mask[self._sent_tokens :]))
+            out.append(TokenEvent(s.token_ids[self._sent_tokens :], s.mask[self._sent_tokens :],
+                                  s.matcher.visible_bytes(final=False)))
             self._sent_tokens = len(s.token_ids)
         if s.is_finished and not self._done:
-            out.append(FinishEvent(s.finish_reason or "", s.trace))
+            out.append(FinishEvent(s.finish_reason or "", s.trace, s.matcher.visible_bytes(final=True)))
             self._done = True
         return out
 
@@ -104,9 +113,9 @@ class AsyncRigEngine:
         loop = asyncio.get_running_loop()
         seq = self.engine.new_sequence(prompt_ids, seq_id=next(self._ids), question=question, **overrides)
         handle = RequestHandle(self, seq, loop)
-        with self._lock:
+        with self._lock:  # registered and queued together: a failing step sees both or neither
             self._handles[seq.seq_id] = handle
-        self.engine.add(seq)
+            self.engine.add(seq)
         self.wake()
         return handle
 
@@ -146,6 +155,8 @@ class AsyncRigEngine:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
+            with self.engine._lock:
+                self.engine.waiting.clear()
         for h in handles:
             if not h.seq.is_finished:
                 h.seq.finish("error")
@@ -154,7 +165,6 @@ class AsyncRigEngine:
                 h._loop.call_soon_threadsafe(h.queue.put_nowait, ev)
             if self.on_finish is not None:
                 self.on_finish(h.seq)
-        self.engine.waiting.clear()
         self.engine.running.clear()
         self.engine.runner.reset(0)
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..citations import CitationProcessor, trace_docs
-from ..evidence import EvidenceFormatter
+from ..evidence import EvidenceFormatter, number_hits
 from ..gate import GateProcessor, GateSettings
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
@@ -95,7 +95,7 @@ class RigEngine:
         self.runner.reset(0)
         self.processors = [
             *extra_processors,
-            *([GateProcessor(self.vocab, options.gate)] if options.gate is not None else []),
+            *([GateProcessor(self.vocab, options.gate, options.max_iterations)] if options.gate is not None else []),
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
                                self.stop_ids, options.newline_ends_query, options.retrieve_first),
         ]
@@ -128,14 +128,15 @@ class RigEngine:
         temp = self.opts.temperature if temperature is None else temperature
         gen = None
         if temp > 0:
-            gen = torch.Generator().manual_seed((self.opts.seed if seed is None else seed) + seq_id)
+            # a request's own seed reproduces it; the engine's seed is spread over sequences
+            gen = torch.Generator().manual_seed(self.opts.seed + seq_id if seed is None else seed)
         seq = Sequence(seq_id, list(prompt_ids), MarkerMatcher(self.vocab),
                        self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens, gen,
                        max_iterations=max_iterations, top_k=top_k, temperature=temperature, top_p=top_p,
                        memory=memory)
         seq.trace.question = question
         if memory is not None:
-            seq.trace.memory_docs = list(memory.docs)
+            seq.trace.memory_docs = list(memory.in_prompt())
         budget = self.opts.kv_budget_tokens
         if budget is not None and self._worst_case(seq) > budget:
             raise ValueError(f"request needs up to {self._worst_case(seq)} KV tokens "
@@ -353,17 +354,17 @@ class RigEngine:
         s.trace.parked_ms += (now - s.parked_at) * 1e3
         s.ticket = 0
         room = self.runner.context_limit - len(s.token_ids) - 1
-        first = 1 + len(trace_docs(s.trace))
+        numbers = number_hits(hits, {d.id: d.number for d in trace_docs(s.trace)})
         try:
             block = (self.formatter.render_reference(reuse.numbers, budget=room) if reuse is not None
-                     else self.formatter.render_block(hits, step.round, budget=room, first=first))
+                     else self.formatter.render_block(hits, step.round, budget=room, numbers=numbers))
         except ValueError:
             step.error = "context full: no room for evidence"
             self._finish(s, "context_full", now)
             return
-        shown = hits[: len(block.doc_ids)]  # the block renders hits in order, up to its budget
-        step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source, first + n, h.text)
-                     for n, h in enumerate(shown)]
+        # the block renders hits in order, up to its budget
+        step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source, n, text)
+                     for h, n, text in zip(hits, numbers, block.shown)]
         step.evidence_tokens = len(block.token_ids)
         s.trace.evidence_tokens += len(block.token_ids)
         s.append(block.token_ids, sampled=False)

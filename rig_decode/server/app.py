@@ -115,12 +115,15 @@ class Server:
             try:
                 messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                             for m in req.messages]
-            except ValueError as e:
-                raise ApiError(400, str(e), param="messages") from None
-            return build_prompt(tok, messages, self.spec, self.config.rig.system_prompt,
-                                memory.prompt_text() if memory else "")
+                return build_prompt(tok, messages, self.spec, self.config.rig.system_prompt,
+                                    memory.prompt_text() if memory else "")
+            except Exception as e:  # noqa: BLE001 - e.g. the chat template rejects the role order
+                raise ApiError(400, f"cannot build the prompt from these messages: {e}", param="messages") from None
         if not req.prompt:
             raise ApiError(400, "prompt is empty", param="prompt")
+        if req.rig.conversation_id is not None:
+            raise ApiError(400, "rig.conversation_id needs /v1/chat/completions (a completion prompt has no place "
+                                "for the conversation's evidence)", param="rig.conversation_id")
         return tok.encode(req.prompt, add_special_tokens=False)
 
     def submit(self, req: _Common) -> RequestHandle:
@@ -149,37 +152,36 @@ class Server:
         except ValueError as e:  # prompt too long for the context or the KV budget
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
-    def text_stream(self, handle: RequestHandle, req: _Common) -> TextDeltas:
-        return TextDeltas(handle.seq, self.engine.vocab, self.engine.stop_ids, raw=req.rig.show_evidence,
-                          stop=req.stop)
+    def text_stream(self, req: _Common) -> TextDeltas:
+        return TextDeltas(self.engine.vocab, self.engine.stop_ids, raw=req.rig.show_evidence, stop=req.stop)
 
     # -- events -> OpenAI JSON ---------------------------------------------------------------------
 
     async def updates(self, handle: RequestHandle, req: _Common, text: TextDeltas | None = None):
         """A request's progress as ``(text, hop, finish_reason)`` updates: new answer text, a hop
         that finished, or the end. Leaving early (the client went away) cancels the request."""
-        text = text or self.text_stream(handle, req)
+        text = text or self.text_stream(req)
         finished = False
         try:
             async for ev in handle:
                 if isinstance(ev, TokenEvent):
-                    delta = text.delta()
+                    delta = text.feed(ev.token_ids, ev.visible)
                     if delta:
                         yield delta, None, None
-                    if text.stopped:  # a stop string: the answer is complete, stop decoding it
-                        handle.cancel()
-                        finished = True
-                        yield "", None, "stop"
-                        return
+                    if text.stopped and not handle.seq.cancelled:  # a stop string: stop decoding
+                        handle.cancel()  # ... and wait for the engine's finish (trace, memory)
                 elif isinstance(ev, HopEvent):
-                    yield "", ev.step, None
+                    if not text.stopped:
+                        yield "", ev.step, None
                 elif isinstance(ev, FinishEvent):
                     finished = True
-                    if handle.seq.memory is not None and ev.reason != "error":
-                        handle.seq.memory.remember(ev.trace)
-                    delta = text.delta(final=True)
+                    delta = text.feed([], ev.visible, final=True)
                     if delta:
                         yield delta, None, None
+                    if text.stopped:
+                        ev.trace.finish_reason = "stop"  # the engine saw a cancel; the client, its stop string
+                    if handle.seq.memory is not None and ev.reason != "error":
+                        handle.seq.memory.remember(ev.trace)
                     yield "", None, "stop" if text.stopped else _FINISH.get(ev.reason, "stop")
                     return
         finally:
@@ -219,12 +221,12 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        server.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        server.metrics.requests.labels(_endpoint(request), str(e.status)).inc()
         return error(e.status, e.message, e.type, e.code, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        server.metrics.requests.labels(request.url.path, "400").inc()
+        server.metrics.requests.labels(_endpoint(request), "400").inc()
         errors = e.errors()
         if errors and errors[0].get("type") == "json_invalid":
             why = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
@@ -270,7 +272,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
     async def handle(req: _Common, request: Request, chat: bool):
         server.check_auth(request)
         handle = server.submit(req)  # errors surface here, before the response starts
-        server.metrics.requests.labels(request.url.path, "200").inc()
+        server.metrics.requests.labels(_endpoint(request), "200").inc()
         seq = handle.seq
         kind = "chat.completion" if chat else "text_completion"
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
@@ -284,11 +286,19 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
 
         if req.stream:
             async def sse():
+                try:
+                    async for chunk in _sse_chunks():
+                        yield chunk
+                finally:  # closed early (client gone) before or while streaming: stop the request
+                    if not seq.is_finished:
+                        handle.cancel()
+
+            async def _sse_chunks():
                 obj = {**base, "object": kind + ".chunk" if chat else kind}
                 if chat:
                     yield _sse({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                     "finish_reason": None, "logprobs": None}]})
-                answer = server.text_stream(handle, req)
+                answer = server.text_stream(req)
                 async for text, step, finish in server.updates(handle, req, answer):
                     if step is not None:  # an extension chunk: no choices, OpenAI clients skip it
                         yield _sse({**obj, "choices": [], "rig": {"hop": hop_json(step)}})
@@ -341,6 +351,17 @@ async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None
         if await request.is_disconnected():
             handle.cancel()
             return
+
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request: its route, never the raw path (bounded label values)."""
+    path = request.url.path
+    if path in _ENDPOINTS:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
 
 def _engine_error(seq) -> str:

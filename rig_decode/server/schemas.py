@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, and OpenAI's error schema.
 
-Fields OpenAI clients commonly send but that do not change what rig_decode does (``user``,
-``presence_penalty``...) are accepted and ignored; fields whose meaning cannot be honoured
-(``n > 1``, ``logprobs``) are refused with a 400 that names them.
+Fields OpenAI clients commonly send that rig_decode does not implement (``user``,
+``presence_penalty``, ``logit_bias``, ``response_format``, ``tools``...) are accepted and ignored;
+``n > 1`` and ``logprobs`` are refused with a 400 that names them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class _Common(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None

@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass, field
 
 from ..eval.synth import _TEMPLATES
-from ..evidence import EvidenceFormatter
+from ..evidence import EvidenceFormatter, number_hits
 from ..markers import MarkerSpec
 from ..prompt import build_prompt
 from ..retrieval.base import Retriever
@@ -122,14 +122,17 @@ class TraceBuilder:
         trace = Trace(q["id"], q["question"], q["answer"], q["hops"], self.spec.style, ids, mask, len(prompt),
                       variant=self.variant, marker_token_ids=list(self.marker_ids))
 
+        numbered: dict[str, int] = {}  # doc id -> evidence number, as the engine numbers them
+
         def write(text: str) -> None:
             t = self._encode(text)
             ids.extend(t)
             mask.extend([1] * len(t))
 
         def splice(hits: list, hop: int) -> None:
-            first = 1 + sum(len(d) for d in trace.evidence_docs)
-            block = self.formatter.render_block(hits, hop, first=first)
+            numbers = number_hits(hits, numbered)
+            block = self.formatter.render_block(hits, hop, numbers=numbers)
+            numbered.update(zip(block.doc_ids, numbers))
             ids.extend(block.token_ids)
             mask.extend([0] * len(block.token_ids))
             trace.evidence_docs.append(list(block.doc_ids))

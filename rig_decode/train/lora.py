@@ -62,10 +62,14 @@ def add_marker_tokens(model, tokenizer, spec: MarkerSpec) -> list[int]:
     ids = tokenizer.convert_tokens_to_ids(texts)
     if added:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        emb = model.get_input_embeddings().weight
+        rows = [model.get_input_embeddings().weight]
+        out = model.get_output_embeddings()
+        if out is not None and out.weight is not rows[0]:  # untied output rows start the same way
+            rows.append(out.weight)
         with torch.no_grad():
-            for i, old in zip(ids, inits):
-                emb[i] = emb[old].mean(0)
+            for weight in rows:
+                for i, old in zip(ids, inits):
+                    weight[i] = weight[old].mean(0)
     return ids
 
 
@@ -94,9 +98,13 @@ def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
     from peft import LoraConfig, get_peft_model
 
+    tokens = None
+    if token_ids:  # the new rows train; an untied output matrix needs its rows trained too
+        tokens = {"embed_tokens": token_ids}
+        if not getattr(model.config, "tie_word_embeddings", False):
+            tokens["lm_head"] = token_ids
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, task_type="CAUSAL_LM",
-                      target_modules=list(cfg.target_modules),
-                      trainable_token_indices={"embed_tokens": token_ids} if token_ids else None)
+                      target_modules=list(cfg.target_modules), trainable_token_indices=tokens)
     return get_peft_model(model, lora)
 
 
@@ -106,6 +114,7 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / max(1, cfg.steps)))))
@@ -118,7 +127,7 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     for step in range(cfg.steps):
         if not queue:
             queue = rng.sample(batches, len(batches))
-        batch = collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len)
+        batch = {k: v.to(device) for k, v in collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len).items()}
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         loss = masked_loss(out.logits, batch["labels"])
         opt.zero_grad(set_to_none=True)
