@@ -19,8 +19,9 @@ Sequence states::
    query handed to the worker, which batches every query waiting for it into one search.
 
 ``sync_retrieval`` searches inside the step instead (the decode path waits), for comparison.
-``reprefill`` (reference mode, implies sync retrieval) rebuilds the whole batch's cache from the
-full token lists whenever a row has evidence to add, as string-based RIG systems do.
+``reprefill`` (reference mode, implies sync retrieval) does what string-based RIG systems do: a row
+with evidence to add drops its cache and prefills its whole token list again (no prefix reuse),
+while the other rows decode on.
 
 Errors never stop generation: a failed or timed-out search, an empty or garbled marker, a full
 context: each is recorded in the row's trace, and the row continues with a no-evidence block or
@@ -181,6 +182,8 @@ class RigEngine:
         self._expire(now)
         self._evict(now)
         self._admit(now)
+        if self.opts.reprefill:
+            self._drop_caches_of_spliced_rows()
         ready = [i for i, s in enumerate(self.running) if s.status is RUNNING and s.pending]
         if not ready:
             if self.running:  # every row is parked: wait for the worker instead of spinning
@@ -189,10 +192,7 @@ class RigEngine:
         rows = [self.running[i] for i in ready]
         t0 = time.perf_counter()
         spliced = {s.seq_id for s in rows if len(s.pending) > 1 and s.num_generated > 0}
-        if self.opts.reprefill and spliced:  # reference mode: forget the cache, prefill full lists
-            logits = self.runner.prefill([s.token_ids for s in self.running])
-        else:
-            logits = self.runner.step([s.pending if s.status is RUNNING else [] for s in self.running])
+        logits = self.runner.step([s.pending if s.status is RUNNING else [] for s in self.running])
         for s in rows:
             s.pending.clear()
         tokens, forced = self._sample(rows, logits[ready])
@@ -215,6 +215,19 @@ class RigEngine:
         self.num_steps += 1
 
     # -- schedule -----------------------------------------------------------------------------------
+
+    def _drop_caches_of_spliced_rows(self) -> None:
+        """Reference mode: rows with evidence to add leave the cache and rejoin as new rows that
+        prefill their whole token list (marker, evidence and all) from scratch."""
+        moved = [s for s in self.running if s.status is RUNNING and len(s.pending) > 1 and s.num_generated > 0]
+        if not moved:
+            return
+        keep = [i for i, s in enumerate(self.running) if s not in moved]
+        self.runner.select(keep)
+        self.running = [self.running[i] for i in keep]
+        for s, rest in zip(moved, self.runner.add_rows([s.token_ids for s in moved], share_prefix=False)):
+            s.pending = list(rest)
+            self.running.append(s)
 
     def _worst_case(self, s: Sequence) -> int:
         hops = self.opts.max_iterations if s.max_iterations is None else s.max_iterations

@@ -147,11 +147,16 @@ class HFModelRunner:
         return self.step(self.add_rows(prompts))
 
     @torch.no_grad()
-    def add_rows(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Append one row per prompt, seeded with the shared prefix where it applies; returns
-        what each new row still has to feed (the rest of its prompt)."""
+    def add_rows(self, prompts: list[list[int]], share_prefix: bool = True) -> list[list[int]]:
+        """Append one row per prompt, seeded with the shared prefix where it applies (unless
+        ``share_prefix`` is off); returns what each new row still has to feed (the rest of its
+        prompt)."""
         if self.cache is None:
             self.reset(0)
+        if not share_prefix:
+            self._grow(len(prompts), left=0)
+            self.has_holes = self.has_holes or not bool(self.attn.all())
+            return [list(p) for p in prompts]
         # The part all new prompts share (a lone prompt: all of it but the last token) becomes the
         # cached prefix; only what the cache does not hold yet is computed.
         shared = _common_prefix(prompts)[: min(len(p) for p in prompts) - 1]
