@@ -79,6 +79,9 @@ async def load(url: str, model: str, n: int, clients: int, max_tokens: int) -> t
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as http:
             while not todo.empty():
                 results.append(await one(http, url, model, todo.get_nowait(), max_tokens))
+                if len(results) % 20 == 0 or len(results) == n:
+                    print(f"[server bench] {len(results)}/{n} requests done, {time.perf_counter() - t0:.0f}s",
+                          file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
