@@ -33,13 +33,8 @@ from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import build_prompt
 from rig_decode.retrieval.factory import build_retriever
+from workload import QUESTIONS  # bench/ is on sys.path when run as a script
 
-QUESTIONS = [
-    "Which release fixed error E1234 and who approved it?",
-    "Who approved the release of Helios Gateway that fixed error E2071?",
-    "Which office does the person who approved Helios Gateway 4.2.1 work from?",
-    "What priority does the Northwind Logistics contract give to data loss in the request journal?",
-]
 QUERIES = ["error E1234 fixed in release", "release 4.2.1 approved by", "Priya Raman office"]
 HOP_STEPS = (2, 26, 50)
 

@@ -27,13 +27,7 @@ import numpy as np
 from rig_decode.config import RigConfig
 from rig_decode.server import create_app
 from rig_decode.server.background import serve_in_thread
-
-QUESTIONS = [
-    "Which release fixed error E1234 and who approved it?",
-    "Who approved the release of Helios Gateway that fixed error E2071?",
-    "Which office does the person who approved Helios Gateway 4.2.1 work from?",
-    "What priority does the Northwind Logistics contract give to data loss in the request journal?",
-]
+from workload import QUESTIONS  # bench/ is on sys.path when run as a script
 
 
 async def one(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int) -> dict:

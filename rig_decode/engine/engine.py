@@ -191,7 +191,7 @@ class RigEngine:
             return
         rows = [self.running[i] for i in ready]
         t0 = time.perf_counter()
-        spliced = {s.seq_id for s in rows if len(s.pending) > 1 and s.num_generated > 0}
+        spliced = {s.seq_id for s in rows if s.has_evidence_pending}
         logits = self.runner.step([s.pending if s.status is RUNNING else [] for s in self.running])
         for s in rows:
             s.pending.clear()
@@ -219,7 +219,7 @@ class RigEngine:
     def _drop_caches_of_spliced_rows(self) -> None:
         """Reference mode: rows with evidence to add leave the cache and rejoin as new rows that
         prefill their whole token list (marker, evidence and all) from scratch."""
-        moved = [s for s in self.running if s.status is RUNNING and len(s.pending) > 1 and s.num_generated > 0]
+        moved = [s for s in self.running if s.status is RUNNING and s.has_evidence_pending]
         if not moved:
             return
         keep = [i for i, s in enumerate(self.running) if s not in moved]

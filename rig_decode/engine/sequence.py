@@ -72,6 +72,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def has_evidence_pending(self) -> bool:
+        """A hop's evidence (behind the marker's last token) waits to be prefilled."""
+        return len(self.pending) > 1 and self.num_generated > 0
+
+    @property
     def completion_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
 

@@ -272,7 +272,6 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
     async def handle(req: _Common, request: Request, chat: bool):
         server.check_auth(request)
         handle = server.submit(req)  # errors surface here, before the response starts
-        server.metrics.requests.labels(_endpoint(request), "200").inc()
         seq = handle.seq
         kind = "chat.completion" if chat else "text_completion"
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
@@ -312,6 +311,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                         yield _sse({**obj, "choices": [choice(text, None)]})
                 yield "data: [DONE]\n\n"
 
+            server.metrics.requests.labels(_endpoint(request), "200").inc()
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -325,6 +325,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
             watcher.cancel()
         if seq.finish_reason == "error":
             raise ApiError(500, _engine_error(seq), "server_error", "engine_error")
+        server.metrics.requests.labels(_endpoint(request), "200").inc()
         content = "".join(parts)
         if chat:
             out = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
