@@ -33,7 +33,13 @@ def _load_config(args):
         rig["show_markers"] = True
     if getattr(args, "max_tokens", None) is not None:
         model["max_tokens"] = args.max_tokens
-    return cfg.updated(rig=rig, model=model) if rig or model else cfg
+    engine = {}
+    if getattr(args, "backend", None):
+        engine["backend"] = args.backend
+    if getattr(args, "base_url", None):
+        engine["remote"] = {**cfg.engine.remote.model_dump(), "base_url": args.base_url}
+    sections = {k: v for k, v in (("rig", rig), ("model", model), ("engine", engine)) if v}
+    return cfg.updated(**sections) if sections else cfg
 
 
 def _session(args):
@@ -50,8 +56,11 @@ def _print_hops(trace, out=sys.stdout) -> None:
     for step in trace.retrieval_steps:
         docs = ", ".join(f"{d.title or d.id} ({d.score:.2f})" for d in step.docs) or "no documents"
         err = f"  [{step.error}]" if step.error else ""
+        served = step.info.get("server")
+        server = (f"; the server took {served['cache_n']} tokens from its cache and evaluated {served['prompt_n']}"
+                  if served and served.get("prompt_n") is not None else "")
         print(f"  hop {step.round}: {step.query!r} -> {docs}; {step.latency_ms:.0f} ms search, "
-              f"{step.evidence_tokens} evidence tokens spliced in {step.splice_ms:.0f} ms{err}", file=out)
+              f"{step.evidence_tokens} evidence tokens spliced in {step.splice_ms:.0f} ms{server}{err}", file=out)
     print(f"  {trace.num_hops} hops, {trace.generated_tokens} tokens generated, "
           f"{trace.evidence_tokens} evidence tokens, {trace.total_ms / 1e3:.1f}s, finish: {trace.finish_reason}",
           file=out)
@@ -261,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer one question, retrieving as the model asks")
     ask.add_argument("question")
     ask.add_argument("--json", action="store_true", help='print one JSON object {"answer", "trace"}')
+    ask.add_argument("--backend", choices=["hf", "remote"], help="where the model runs (overrides engine.backend)")
+    ask.add_argument("--base-url", help="the completion server of --backend remote (engine.remote.base_url)")
     common(ask)
     ask.set_defaults(func=cmd_ask)
 

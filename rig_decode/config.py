@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -29,7 +29,9 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "nf4"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    adapter: str | None = None
+    adapter: str | None = "auto"
+    """A LoRA marker adapter folder; ``auto``: the one shipped for an embedded model (none for other
+    models); null: none (prompt-only). See ``rig_decode.adapters``."""
     max_tokens: int = Field(512, ge=1)
     """Tokens the model may sample per request (evidence tokens do not count)."""
     temperature: float = Field(0.0, ge=0.0)
@@ -140,7 +142,31 @@ class RigLoopConfig(_Section):
     """Wall-clock limit per request; past it the request finishes with what it has."""
 
 
+class RemoteConfig(_Section):
+    """A completion server that runs the model (``engine.backend: remote``); see ``engine/runner_remote.py``."""
+
+    base_url: str | None = None
+    """e.g. http://127.0.0.1:8080 (llama-server) or http://127.0.0.1:8000 (vLLM)."""
+    api: Literal["auto", "llama.cpp", "openai"] = "auto"
+    """``llama.cpp``: llama-server's native /completion; ``openai``: /v1/completions with token-id
+    prompts and token ids back (vLLM); ``auto``: llama.cpp when the server answers /props."""
+    api_key: str | None = None
+    model: str | None = None
+    """The served model's name, for the OpenAI API (default: the server's first model)."""
+    lookahead: int = Field(16, ge=1, le=512)
+    """Tokens the server predicts per call; steps that take its predicted token cost no call."""
+    top_logprobs: int = Field(20, ge=1, le=100)
+    """Top log-probabilities per position: what the engine's masks and sampling choose among."""
+    parallel: int = Field(4, ge=1, le=256)
+    """Calls in flight at once (rows of a batch that need the server in the same step)."""
+    timeout_s: float = Field(120.0, gt=0)
+
+
 class EngineConfig(_Section):
+    backend: Literal["hf", "remote"] = "hf"
+    """``hf``: the model runs in this process (transformers); ``remote``: a completion server runs
+    it (``engine.remote``), fed token ids, with the same retrieval loop, masks and trace."""
+    remote: RemoteConfig = RemoteConfig()
     max_batch_size: int = Field(16, ge=1)
     kv_budget: Literal["auto"] | int | None = "auto"
     """KV-cache token slots: ``auto`` (from the memory left after loading the model), a number, or
@@ -148,6 +174,12 @@ class EngineConfig(_Section):
     retrieval_retries: int = Field(1, ge=0, le=10)
     sync_retrieval: bool = False
     """Search inside the decode step (the other rows wait); for comparison only."""
+
+    @model_validator(mode="after")
+    def _remote_needs_a_url(self):
+        if self.backend == "remote" and not self.remote.base_url:
+            raise ValueError("engine.remote.base_url is required when engine.backend is remote")
+        return self
 
 
 class ServerConfig(_Section):
@@ -191,6 +223,27 @@ class RigConfig(_Section):
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from None
         return cls.from_dict(data, source=str(path))
+
+    def served_model(self) -> ModelConfig:
+        """``model`` as the backend runs it: a remote server serves its own weights, so there
+        ``adapter: auto`` means none (an adapter folder named explicitly still gives the tokenizer
+        and prompt, for a server that serves the merged model)."""
+        if self.engine.backend == "remote" and self.model.adapter == "auto":
+            return self.model.model_copy(update={"adapter": None})
+        return self.model
+
+    def system_prompt(self) -> str | None:
+        """``rig.system_prompt`` if set, else the prompt the model's adapter was trained with, else
+        None (the built-in instruction that teaches the marker syntax)."""
+        if self.rig.system_prompt is not None:
+            return self.rig.system_prompt
+        from .adapters import adapter_settings, resolve_adapter
+
+        model = self.served_model()
+        try:
+            return adapter_settings(resolve_adapter(model.name, model.adapter)).get("system_prompt")
+        except ValueError as e:
+            raise ConfigError(f"model.adapter: {e}") from None
 
     def updated(self, **sections: dict[str, Any]) -> "RigConfig":
         """A copy with some keys of some sections replaced, validated like a file would be."""

@@ -26,6 +26,12 @@ Answer: {q1}
 Release 9.9.9 fixed error E9999, and Alex Example approved it."""
 
 
+MARKER_ADAPTER_PROMPT = "Answer in a few words. Search for any fact you do not know before you state it."
+"""The short instruction marker traces are built with (``scripts/make_marker_data.py``): a model
+trained on them needs no syntax lesson, and a short prompt makes training and every request cheaper.
+A trained adapter records the prompt it was trained with, and sessions use it (``models.loader``)."""
+
+
 def system_prompt(spec: MarkerSpec) -> str:
     return _RULES.format(
         example=spec.render("your search query"),

@@ -57,7 +57,14 @@ class RigSession:
         elif not isinstance(config, RigConfig):
             config = RigConfig.from_yaml(config)
         self.config = config
-        if model is None or tokenizer is None:
+        runner = None
+        if config.engine.backend == "remote":
+            from .engine.runner_remote import remote_runner
+            from .models.loader import load_tokenizer
+
+            tokenizer = tokenizer or load_tokenizer(config.served_model())
+            model, runner = None, remote_runner(config.engine.remote, len(tokenizer))
+        elif model is None or tokenizer is None:
             from .models.loader import load_model
 
             model, tokenizer = load_model(config.model)
@@ -67,10 +74,12 @@ class RigSession:
             retriever = build_retriever(config.retriever)
         self.model, self.tokenizer, self.retriever = model, tokenizer, retriever
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
-        self.engine = RigEngine(model, tokenizer, retriever, engine_options(config, model, reprefill=reprefill))
+        self.system = config.system_prompt()
+        self.engine = RigEngine(model, tokenizer, retriever, engine_options(config, model, reprefill=reprefill),
+                                runner=runner)
 
     def prompt_ids(self, question, memory: EvidenceMemory | None = None) -> list[int]:
-        return build_prompt(self.tokenizer, question, self.spec, self.config.rig.system_prompt,
+        return build_prompt(self.tokenizer, question, self.spec, self.system,
                             memory.prompt_text() if memory else "")
 
     def ask(self, question) -> tuple[str, Trace]:

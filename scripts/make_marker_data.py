@@ -20,6 +20,7 @@ from tqdm import tqdm
 from rig_decode.config import ModelConfig, RetrieverConfig
 from rig_decode.eval.datasets import load_dataset
 from rig_decode.models.loader import load_tokenizer
+from rig_decode.prompt import MARKER_ADAPTER_PROMPT
 from rig_decode.retrieval.factory import build_retriever
 from rig_decode.train.data import TraceBuilder
 
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--evidence-budget", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
+                    help="system message of every trace; the trained adapter records it and sessions use it")
     args = ap.parse_args(argv)
     synth, out = Path(args.synth), Path(args.out)
     if "test" in args.splits.split(","):
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
             retriever = build_retriever(RetrieverConfig(), corpus=corpus)
         for variant in args.variants.split(","):
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
-                                   top_k=args.top_k, seed=args.seed)
+                                   top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
             path = out / f"{split}-{variant}.jsonl"
             with path.open("w", encoding="utf-8") as f:
                 for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr):

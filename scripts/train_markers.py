@@ -1,7 +1,7 @@
 """LoRA-train a causal LM to write retrieve markers, on traces from make_marker_data.py.
 
     python scripts/train_markers.py --data out/marker-data/train-special.jsonl --out out/adapter \\
-        [--model smollm2-135m-instruct] [--steps 300] [--batch-size 8]
+        [--model smollm2-135m-instruct] [--steps 200] [--batch-size 8]
 
 Traces of the ``special`` variant make the delimiters two new special tokens whose embedding rows
 are trained with the adapter; ``text`` and ``json`` traces keep them as text. Writes the adapter, the tokenizer, ``training.json``
@@ -39,13 +39,16 @@ Load it with `model: {{name: {model}, adapter: <this folder>}}`.
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    defaults = TrainConfig()
     ap.add_argument("--data", required=True, help="traces (JSONL) of the special_token or json style")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=ModelConfig().name)
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
-    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
-    ap.add_argument("--rank", type=int, default=TrainConfig.rank)
+    ap.add_argument("--steps", type=int, default=defaults.steps)
+    ap.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    ap.add_argument("--lr", type=float, default=defaults.lr)
+    ap.add_argument("--rank", type=int, default=defaults.rank)
+    ap.add_argument("--top-layers", type=float, default=defaults.top_layers,
+                    help="fraction of decoder layers (from the top) that get LoRA; below them nothing trains")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -56,6 +59,7 @@ def main(argv=None) -> int:
         ap.error(f"{args.data} holds no traces")
     variant = traces[0]["variant"]
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
+                      top_layers=args.top_layers,
                       special_markers=variant == "special")
     torch.manual_seed(cfg.seed)
     model, tok = load_model(ModelConfig(name=args.model, dtype="float32"))
@@ -90,6 +94,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     save(model, tok, out, cfg, result, {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds})
     (out / "README.md").write_text(card)
+    # what a session needs to prompt the model the way it was trained (models.loader.adapter_settings)
+    settings = {"system_prompt": traces[0].get("system_prompt"), "marker_style": traces[0]["style"],
+                "added_tokens": result.added_tokens}
+    (out / "rig_adapter.json").write_text(json.dumps(settings, indent=2) + "\n")
     print(json.dumps({"train": {"out": str(out), "steps": cfg.steps, "first_loss": round(result.losses[0], 4),
                                 "last_loss": round(result.losses[-1], 4), "seconds": round(result.seconds, 1)}}))
     return 0

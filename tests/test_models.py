@@ -51,6 +51,6 @@ def test_nf4_loads_4bit_layers_and_generates_on_cpu(real):
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
 
-    model, tok = load_model(ModelConfig(quantization="nf4", device="cpu"))
+    model, tok = load_model(ModelConfig(quantization="nf4", device="cpu", adapter=None))
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert "Paris" in _greedy(model, tok)

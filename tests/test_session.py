@@ -47,7 +47,7 @@ def test_bad_questions(model, tok, bad):
 @pytest.mark.real_model
 def test_cli_ask_json_on_the_default_model(real):
     out = subprocess.run(
-        [sys.executable, "-m", "rig_decode.cli", "ask", "Which release fixed error E1234 and who approved it?",
+        [sys.executable, "-m", "rig_decode.cli", "ask", "Who founded the company that makes the Brisa T4?",
          "--json", "--max-tokens", "48"],
         capture_output=True, text=True, timeout=600,
     )
@@ -63,6 +63,19 @@ def test_cli_ask_json_on_the_default_model(real):
     assert t["generated_tokens"] == 48 or t["finish_reason"] == "stop"
     for step in t["retrieval_steps"]:
         assert {"round", "query", "docs", "latency_ms", "evidence_tokens"} <= set(step)
+
+
+@pytest.mark.real_model
+def test_demo_questions_are_answered_with_visible_hops(real):
+    """The README demo: the default model with its shipped marker adapter answers each multi-hop
+    question over the bundled knowledge base correctly, searching two or three times."""
+    from importlib import resources
+
+    questions = json.loads((resources.files("rig_decode") / "data" / "demo_questions.json").read_text())
+    results = RigSession().ask_batch([q["question"] for q in questions])
+    for q, (answer, trace) in zip(questions, results):
+        assert q["answer"].lower() in answer.lower(), (q, answer, [s.query for s in trace.retrieval_steps])
+        assert 2 <= len(trace.retrieval_steps) <= 3, (q["question"], [s.query for s in trace.retrieval_steps])
 
 
 def test_cli_reports_bad_config(tmp_path):

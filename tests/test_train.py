@@ -13,7 +13,9 @@ from rig_decode.retrieval.hybrid import IndexRetriever  # noqa: E402
 from rig_decode.retrieval.ingest import Chunking, build_index  # noqa: E402
 from rig_decode.retrieval.store import IndexStore  # noqa: E402
 from rig_decode.train.data import TraceBuilder, variant_tokenizer  # noqa: E402
-from rig_decode.train.lora import IGNORE, TrainConfig, add_marker_tokens, collate, masked_loss, train, wrap_lora  # noqa: E402
+from rig_decode.train.lora import (  # noqa: E402
+    IGNORE, TrainConfig, _stop_backprop_below, add_marker_tokens, collate, forward_loss, masked_loss, train, wrap_lora,
+)
 
 from .helpers import tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -107,13 +109,46 @@ def test_training_a_few_steps_lowers_the_loss(world):
     added = add_marker_tokens(model, tok, __import__("rig_decode.markers").markers.MarkerSpec.special_token())
     assert added == traces[0]["marker_token_ids"] and len(tok) == len(variant_tokenizer(tiny_tokenizer(), "special"))
     base = model.get_input_embeddings().weight.detach().clone()
-    model = wrap_lora(model, TrainConfig(rank=4, alpha=8), added)
-    cfg = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup=2, log_every=5, seed=0)
+    model = wrap_lora(model, TrainConfig(rank=4, alpha=8, top_layers=1.0), added)
+    cfg = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup=2, log_every=5, seed=0, top_layers=1.0)
     result = train(model, traces, tok.pad_token_id, cfg)
     assert result.losses[-1] < 0.8 * result.losses[0], result.losses
     merged = model.merge_and_unload().get_input_embeddings().weight
     changed = (merged - base).abs().sum(-1) > 0
     assert changed[added].all() and changed.sum() == len(added), "only the marker rows may train"
+
+
+def test_forward_loss_is_the_masked_loss_and_top_layers_stop_backprop():
+    """The trainer's loss (vocabulary projection at labelled positions only) equals the masked loss
+    of the full logits; with ``top_layers`` < 1 only the top layers get LoRA and no gradient reaches
+    the layers below (the untied input rows of the marker tokens stay put, the output rows learn)."""
+    tok = tiny_tokenizer()
+    model = tiny_model(len(tok))
+    added = add_marker_tokens(model, tok, __import__("rig_decode.markers").markers.MarkerSpec.special_token())
+    cfg = TrainConfig(rank=4, alpha=8, top_layers=0.5)
+    model = wrap_lora(model, cfg, added)
+    lora_layers = {int(n.split(".layers.")[1].split(".")[0]) for n, _ in model.named_parameters() if "lora_A" in n}
+    assert lora_layers == {1}
+    batch = collate([{"input_ids": [5, 6, added[0], 7, added[1], 9], "mask": [0, 0, 1, 1, 1, 0]},
+                     {"input_ids": [5, 8, 9, 10], "mask": [0, 1, 1, 1]}], pad_id=0, max_len=16)
+    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(forward_loss(model, batch), masked_loss(full, batch["labels"]))
+
+    seen = {}
+    layers = model.get_base_model().get_decoder().layers
+    grab = layers[0].register_forward_hook(lambda _m, _a, out: seen.update(h=out[0] if isinstance(out, tuple) else out)
+                                           or seen["h"].retain_grad())
+    for top, reaches_below in ((1.0, True), (0.5, False)):
+        stop = _stop_backprop_below(model, TrainConfig(top_layers=top))
+        model.zero_grad()
+        forward_loss(model, batch).backward()
+        assert (seen["h"].grad is not None) == reaches_below
+        if stop is not None:
+            stop.remove()
+    grab.remove()
+    grads = {n: p.grad for n, p in model.named_parameters() if "trainable_tokens_delta" in n}
+    assert any("lm_head" in n and g is not None and g.abs().sum() > 0 for n, g in grads.items())
+    assert all(g is None or g.abs().sum() == 0 for n, g in grads.items() if "embed_tokens" in n)
 
 
 def _rec(q) -> dict:

@@ -86,13 +86,17 @@ class EngineOptions:
 
 class RigEngine:
     def __init__(self, model, tokenizer, retriever: Retriever | None, options: EngineOptions = EngineOptions(),
-                 extra_processors=(), vocab: MarkerVocab | None = None):
+                 extra_processors=(), vocab: MarkerVocab | None = None, runner=None):
+        """``model``: a HuggingFace causal LM, run in process; or None with a ``runner`` that stands
+        for a model elsewhere (``runner_remote.RemoteRunner``: a completion server)."""
         self.model, self.tokenizer, self.retriever, self.opts = model, tokenizer, retriever, options
         self.vocab = vocab or MarkerVocab(tokenizer, MarkerSpec.from_style(options.marker_style))
         self.formatter = EvidenceFormatter(tokenizer, options.evidence_token_budget)
         self.stop_ids = _stop_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.runner = HFModelRunner(model, pad)
+        if runner is None and model is None:
+            raise ValueError("RigEngine needs a model or a runner")
+        self.runner = runner if runner is not None else HFModelRunner(model, pad)
         self.runner.reset(0)
         self.processors = [
             *extra_processors,
@@ -199,10 +203,14 @@ class RigEngine:
         done = time.perf_counter()
         dt_ms = (done - t0) * 1e3
         parked = []
-        for s, tok, was_forced in zip(rows, tokens, forced):
+        row_info = getattr(self.runner, "row_info", None)  # a remote runner: what the server did
+        for i, s, tok, was_forced in zip(ready, rows, tokens, forced):
+            info = row_info(i) if row_info is not None else None
             if s.seq_id in spliced:
                 s.trace.splice_ms += dt_ms
                 s.trace.retrieval_steps[-1].splice_ms = dt_ms
+                if info is not None:
+                    s.trace.retrieval_steps[-1].info["server"] = info
             elif s.num_generated:
                 s.trace.decode_ms += dt_ms
             else:
@@ -385,6 +393,8 @@ class RigEngine:
 
     def close(self) -> None:
         self.worker.close()
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
 
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:

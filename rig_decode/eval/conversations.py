@@ -55,7 +55,7 @@ def run_conversations(config, model, tokenizer, retriever, conversations: list[d
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown conversation method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    spec = MarkerSpec.from_style(config.rig.marker_style)
+    spec, system = MarkerSpec.from_style(config.rig.marker_style), config.system_prompt()
     results = {}
     for method in methods:
         memory_on, gate_on = "memory" in method, method.endswith("gate")
@@ -76,7 +76,7 @@ def run_conversations(config, model, tokenizer, retriever, conversations: list[d
                 turn = conversations[i]["turns"][k]
                 chats[i].append({"role": "user", "content": turn["question"]})
                 mem = memories[i]
-                ids = build_prompt(tokenizer, chats[i], spec, config.rig.system_prompt, mem.prompt_text() if mem else "")
+                ids = build_prompt(tokenizer, chats[i], spec, system, mem.prompt_text() if mem else "")
                 seqs.append(engine.new_sequence(ids, seq_id=i, question=turn["question"], memory=mem))
             engine.generate(seqs)
             for i, seq in zip(live, seqs):

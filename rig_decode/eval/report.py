@@ -47,9 +47,10 @@ def hops_table(summary: dict[str, dict]) -> str:
     hop_counts = sorted({h for m in summary.values() for h in m["accuracy_by_hops"]}, key=int)
     if not hop_counts:
         return ""
-    head = "| method | " + " | ".join(f"acc % @ {h} hops" for h in hop_counts) + " |"
-    sep = "|---|" + "---:|" * len(hop_counts)
-    rows = [f"| {label} | " + " | ".join(_pct(m["accuracy_by_hops"].get(h)) for h in hop_counts) + " |"
+    head = "| method | " + " | ".join(f"EM % @ {h} hops | acc % @ {h} hops" for h in hop_counts) + " |"
+    sep = "|---|" + "---:|" * 2 * len(hop_counts)
+    rows = [f"| {label} | " + " | ".join(f"{_pct(m.get('exact_match_by_hops', {}).get(h))} | "
+                                         f"{_pct(m['accuracy_by_hops'].get(h))}" for h in hop_counts) + " |"
             for label, m in summary.items()]
     return "\n".join([head, sep, *rows])
 

@@ -69,6 +69,7 @@ class EvalRunner:
         self.config, self.model, self.tokenizer, self.retriever = config, model, tokenizer, retriever
         self.batch_size, self.progress = batch_size, progress
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
+        self.system = config.system_prompt()
         self.formatter = EvidenceFormatter(tokenizer, config.rig.evidence_token_budget)
         # Document texts, to judge hops by answer containment where a dataset has no gold doc ids.
         self.doc_texts: dict[str, str] = {}
@@ -94,7 +95,7 @@ class EvalRunner:
             content = f"Evidence:{rag_block}\nQuestion: {ex.question}"
             return build_prompt(self.tokenizer, [{"role": "system", "content": RAG_SYSTEM},
                                                  {"role": "user", "content": content}], self.spec)
-        return build_prompt(self.tokenizer, ex.question, self.spec, self.config.rig.system_prompt)
+        return build_prompt(self.tokenizer, ex.question, self.spec, self.system)
 
     def _run_one(self, examples: list[EvalExample], key: RunKey) -> dict:
         """All questions go to the engine at once; it keeps ``batch_size`` of them in the batch
@@ -177,10 +178,10 @@ def aggregate(records: list[dict], wall_s: float) -> dict:
     no_need = [r for r in records if r["needs_retrieval"] is False]
     markers = sum(r["markers_valid"] + r["markers_invalid"] for r in records)
     lat = [r["latency_ms"] for r in records]
-    by_hops: dict[str, list[float]] = defaultdict(list)
+    by_hops: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if r["gold_hops"] is not None:
-            by_hops[str(r["gold_hops"])].append(r["accuracy"])
+            by_hops[str(r["gold_hops"])].append(r)
     return {
         "n": n,
         "exact_match": M.mean([r["em"] for r in records]),
@@ -197,5 +198,7 @@ def aggregate(records: list[dict], wall_s: float) -> dict:
         "latency_p95_ms": M.percentile(lat, 95),
         "wall_s": wall_s,
         "source_claims_without_hop": M.mean([float(r["source_claim_without_hop"]) for r in records]),
-        "accuracy_by_hops": {k: M.mean(v) for k, v in sorted(by_hops.items())},
+        "accuracy_by_hops": {k: M.mean([r["accuracy"] for r in v]) for k, v in sorted(by_hops.items())},
+        "exact_match_by_hops": {k: M.mean([r["em"] for r in v]) for k, v in sorted(by_hops.items())},
+        "questions_by_hops": {k: len(v) for k, v in sorted(by_hops.items())},
     }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters import adapter_settings, resolve_adapter
 from ..config import ModelConfig
 from .embedded import EMBEDDED_MODELS, pull
 
@@ -66,21 +67,34 @@ def resolve_source(name: str) -> tuple[str, dict]:
     return name, {}  # a hub id: the user's environment decides whether it may be downloaded
 
 
+def adapter_path(cfg: ModelConfig) -> Path | None:
+    """The adapter folder ``cfg`` asks for (None: none), checked to hold an adapter."""
+    folder = resolve_adapter(cfg.name, cfg.adapter)
+    if folder is not None and not (folder / "adapter_config.json").is_file():
+        raise ModelLoadError(f"model.adapter {folder} has no adapter_config.json")
+    return folder
+
+
 def load_tokenizer(cfg: ModelConfig):
-    """The tokenizer ``load_model`` would return (an adapter's, when it adds marker tokens)."""
+    """The tokenizer ``load_model`` would return: an adapter's own when it saved one, else the
+    model's with the marker tokens the adapter added (``rig_adapter.json``), in the same order."""
     from transformers import AutoTokenizer
 
-    if cfg.adapter and _adapter_has_tokenizer(cfg.adapter):
-        return AutoTokenizer.from_pretrained(cfg.adapter)
+    adapter = adapter_path(cfg)
+    if adapter is not None and (adapter / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(adapter))
     source, extra = resolve_source(cfg.name)
     try:
-        return AutoTokenizer.from_pretrained(source, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     except OSError as e:
         raise ModelLoadError(f"cannot load the tokenizer of {cfg.name!r}: {e}") from e
-
-
-def _adapter_has_tokenizer(path: str) -> bool:
-    return (Path(path).expanduser() / "tokenizer_config.json").is_file()
+    try:
+        added = adapter_settings(adapter).get("added_tokens", [])
+    except ValueError as e:
+        raise ModelLoadError(f"model.adapter: {e}") from None
+    if added:
+        tokenizer.add_tokens(added, special_tokens=True)
+    return tokenizer
 
 
 def load_model(cfg: ModelConfig):
@@ -104,14 +118,12 @@ def load_model(cfg: ModelConfig):
         raise ModelLoadError(f"cannot load model {cfg.name!r}: {e}") from e
     if cfg.quantization == "none":
         model.to(device)
-    if cfg.adapter:
-        adapter = Path(cfg.adapter).expanduser()
-        if not (adapter / "adapter_config.json").is_file():
-            raise ModelLoadError(f"model.adapter {adapter} has no adapter_config.json")
+    adapter = adapter_path(cfg)
+    if adapter is not None:
         try:
             from peft import PeftModel
         except ImportError:
-            raise ModelLoadError("model.adapter needs peft (pip install 'rig_decode[train]')") from None
+            raise ModelLoadError("model.adapter needs peft (pip install peft)") from None
         if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         model = PeftModel.from_pretrained(model, str(adapter))

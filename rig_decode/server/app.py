@@ -86,6 +86,7 @@ class Server:
         self.front = AsyncRigEngine(engine, on_finish=lambda seq: self.metrics.observe(seq.trace))
         self.model_id = config.server.model_name or Path(config.model.name).name
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
+        self.system = config.system_prompt()
         self.created = int(time.time())
         self.memories: OrderedDict[str, EvidenceMemory] = OrderedDict()
 
@@ -115,7 +116,7 @@ class Server:
             try:
                 messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                             for m in req.messages]
-                return build_prompt(tok, messages, self.spec, self.config.rig.system_prompt,
+                return build_prompt(tok, messages, self.spec, self.system,
                                     memory.prompt_text() if memory else "")
             except Exception as e:  # noqa: BLE001 - e.g. the chat template rejects the role order
                 raise ApiError(400, f"cannot build the prompt from these messages: {e}", param="messages") from None

@@ -79,6 +79,8 @@ class Trace:
     variant: str = "special"
     marker_token_ids: list[int] = field(default_factory=list)
     """The delimiters' token ids where they are single added tokens (``special`` variant)."""
+    system_prompt: str | None = None
+    """The system message of the prompt (None: the built-in marker instruction)."""
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -120,7 +122,7 @@ class TraceBuilder:
         prompt = build_prompt(self.tok, q["question"], self.spec, self.system)
         ids, mask = list(prompt), [0] * len(prompt)
         trace = Trace(q["id"], q["question"], q["answer"], q["hops"], self.spec.style, ids, mask, len(prompt),
-                      variant=self.variant, marker_token_ids=list(self.marker_ids))
+                      variant=self.variant, marker_token_ids=list(self.marker_ids), system_prompt=self.system)
 
         numbered: dict[str, int] = {}  # doc id -> evidence number, as the engine numbers them
 
