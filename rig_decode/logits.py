@@ -5,6 +5,7 @@
 * ``QueryCapProcessor``: once an open query has ``max_query_tokens`` tokens, the end delimiter is
   forced token by token.
 * ``NoStopInQueryProcessor``: a row cannot end (EOS / stop ids) while a query is open.
+* ``StrayEndProcessor``: outside a marker, a token that is a whole end delimiter is banned.
 
 Each processor has two entry points. ``apply(rows, scores)`` is what the engine calls: ``rows`` are
 its sequences, each with a ``matcher`` it keeps up to date. ``__call__(input_ids, scores)`` is the
@@ -26,6 +27,7 @@ __all__ = [
     "HopBudgetProcessor",
     "QueryCapProcessor",
     "NoStopInQueryProcessor",
+    "StrayEndProcessor",
     "NewlineEndsQueryProcessor",
     "RetrieveFirstProcessor",
     "marker_processors",
@@ -88,6 +90,23 @@ class HopBudgetProcessor(_MarkerProcessor):
             if m.num_markers >= _hop_limit(row, self.max_iterations) and not m.is_open:
                 banned = self.vocab.start_completing_ids(m.start_states).to(scores.device)
                 scores[i, banned] = float("-inf")
+        return scores
+
+
+class StrayEndProcessor(_MarkerProcessor):
+    """Outside a marker an end delimiter means nothing: a token that spells a whole one (an added
+    special token) is banned there. A trained model that has used up its hop budget otherwise
+    tends to write a query and close it anyway, again and again."""
+
+    def __init__(self, vocab: MarkerVocab, tracker: MarkerTracker | None = None):
+        super().__init__(tracker)
+        self.ids = vocab.whole_end_ids
+
+    def apply(self, rows, scores):
+        if len(self.ids):
+            for i, row in enumerate(rows):
+                if not row.matcher.is_open:
+                    scores[i, self.ids.to(scores.device)] = float("-inf")
         return scores
 
 
@@ -177,7 +196,8 @@ def marker_processors(
     because it overrides every ban."""
     if tracker is None:
         tracker = MarkerTracker(vocab)
-    procs = [HopBudgetProcessor(vocab, max_iterations, tracker), NoStopInQueryProcessor(stop_ids, tracker)]
+    procs = [HopBudgetProcessor(vocab, max_iterations, tracker), StrayEndProcessor(vocab, tracker),
+             NoStopInQueryProcessor(stop_ids, tracker)]
     if retrieve_first and max_iterations > 0:
         procs.append(RetrieveFirstProcessor(vocab, tracker))
     if newline_ends_query:

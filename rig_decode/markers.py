@@ -187,6 +187,12 @@ class MarkerVocab:
         return min(2, self.end[0].m - 1)
 
     @cached_property
+    def whole_end_ids(self) -> torch.Tensor:
+        """Tokens that spell a whole end delimiter by themselves (an added ``<|endofretrieve|>``)."""
+        ends = {d.pattern for d in self.end}
+        return torch.tensor([t for t, b in enumerate(self.token_bytes) if b in ends], dtype=torch.long)
+
+    @cached_property
     def newline_ids(self) -> torch.Tensor:
         return torch.tensor([t for t, b in enumerate(self.token_bytes) if b"\n" in b], dtype=torch.long)
 

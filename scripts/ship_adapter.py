@@ -43,8 +43,10 @@ def main(argv=None) -> int:
     config = json.loads((src / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = args.model
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # a resized embedding matrix saved beside the adapter (peft's save_embedding_layers) is not
+    # needed: the marker rows' trained values are in trainable_tokens_delta
     weights = {k: v.to(torch.float16) if v.is_floating_point() else v
-               for k, v in load_file(src / "adapter_model.safetensors").items()}
+               for k, v in load_file(src / "adapter_model.safetensors").items() if "token_adapter.base_layer" not in k}
     save_file(weights, tmp / "adapter_model.safetensors")
     for name in (SETTINGS_FILE, "README.md", "training.json"):
         if (src / name).is_file():

@@ -24,7 +24,7 @@ from rig_decode.train.lora import TrainConfig, add_marker_tokens, save, train, w
 
 CARD = """# Marker adapter for {model}
 
-LoRA adapter (rank {rank}, alpha {alpha}, on {modules}) that teaches {model} to retrieve with
+LoRA adapter (rank {rank}, alpha {alpha}, on {modules} of layers {layers}) that teaches {model} to retrieve with
 `<|retrieve|>query<|endofretrieve|>` markers when it needs a fact, read the evidence block the
 decoder splices after each marker, and answer briefly{tokens}.
 
@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-layers", type=float, default=defaults.top_layers,
                     help="fraction of decoder layers (from the top) that get LoRA; below them nothing trains")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model, "
+                                     "variant and --top-layers)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -71,7 +73,12 @@ def main(argv=None) -> int:
                      f"tokenizer gives {added}: rebuild the data with the same model's tokenizer")
     if max(max(t["input_ids"]) for t in traces) >= len(tok):
         ap.error("the traces hold token ids beyond this tokenizer's vocabulary: wrong --model?")
-    model = wrap_lora(model, cfg, added or None)
+    if args.resume:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.resume, is_trainable=True)
+    else:
+        model = wrap_lora(model, cfg, added or None)
     print(f"[train] {len(traces)} traces, {sum(p.numel() for p in model.parameters() if p.requires_grad):,} "
           f"trainable parameters, {cfg.steps} steps", file=sys.stderr)
 
@@ -84,7 +91,9 @@ def main(argv=None) -> int:
     kinds: dict[str, int] = {}
     for t in traces:
         kinds[t["kind"]] = kinds.get(t["kind"], 0) + 1
+    n_layers = model.get_base_model().config.num_hidden_layers
     card = CARD.format(model=args.model, rank=cfg.rank, alpha=cfg.alpha, modules=", ".join(cfg.target_modules),
+                       layers=f"{cfg.first_lora_layer(n_layers)}-{n_layers - 1}",
                        tokens=" (the two delimiters are new tokens; only their embedding rows are trained besides"
                               " the LoRA weights)" if added else "", data=args.data, n=len(traces),
                        kinds=", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), steps=cfg.steps,

@@ -65,6 +65,20 @@ def test_no_stop_inside_an_open_query(model, tok):
     assert scores[0, eos] == float("-inf") and scores[1, eos] == 0
 
 
+def test_a_whole_end_delimiter_is_banned_outside_a_marker(tok, tok_special):
+    """With the delimiters as added tokens, ``<|endofretrieve|>`` cannot be written outside a
+    marker; inside one it can. A tokenizer that spells the delimiter in pieces bans nothing."""
+    vocab = MarkerVocab(tok_special, MarkerSpec.special_token())
+    start, end = tok_special.convert_tokens_to_ids(["<|retrieve|>", "<|endofretrieve|>"])
+    assert vocab.whole_end_ids.tolist() == [end]
+    (proc,) = [p for p in marker_processors(vocab, 3, 48, [0]) if type(p).__name__ == "StrayEndProcessor"]
+    rows = MarkerTracker(vocab).sync(torch.tensor([[5], [5]]))
+    rows[1].matcher.feed(start)
+    scores = proc.apply(rows, torch.zeros(2, len(tok_special)))
+    assert scores[0, end] == float("-inf") and scores[1, end] == 0
+    assert len(MarkerVocab(tok, MarkerSpec.special_token()).whole_end_ids) == 0
+
+
 def test_newline_in_query_becomes_the_end_marker(model, tok):
     """A model that ends its query with a line break gets a real end marker instead."""
     vocab = MarkerVocab(tok, MarkerSpec.special_token())

@@ -53,6 +53,8 @@ class Completion:
     """Prompt tokens the server evaluated."""
     prompt_ids: list[int] | None = None
     """The prompt as the server tokenised it, where it reports it."""
+    prompt_ms: float | None = None
+    """The server's time to evaluate the prompt tokens it did not have cached."""
 
 
 class HttpServer:
@@ -124,7 +126,7 @@ class LlamaCppServer(HttpServer):
             top = [(int(t["id"]), float(t["logprob"])) for t in p.get("top_logprobs", [])]
             preds.append(Prediction(int(tok), top or [(int(tok), 0.0)]))
         timings = out.get("timings") or {}
-        return Completion(preds, timings.get("cache_n"), timings.get("prompt_n"))
+        return Completion(preds, timings.get("cache_n"), timings.get("prompt_n"), prompt_ms=timings.get("prompt_ms"))
 
 
 class OpenAICompletionServer(HttpServer):
@@ -276,6 +278,8 @@ class RemoteRunner:
         if not completion.predictions:
             raise RemoteError("the server returned no tokens (context full on the server side?)")
         info = {"cache_n": completion.cache_n, "prompt_n": completion.prompt_n}
+        if completion.prompt_ms is not None:
+            info["prompt_ms"] = completion.prompt_ms
         if completion.prompt_ids is not None and list(completion.prompt_ids) != list(tokens):
             info["retokenized"] = True
         return completion, info

@@ -192,7 +192,9 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
 def save(model, tokenizer, out: Path, cfg: TrainConfig, result: TrainResult, card: dict) -> None:
     """Adapter, tokenizer (with any added tokens), training record and a model card."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    # the marker rows' trained values are the adapter's own (trainable_tokens_delta replaces the
+    # rows); the resized base embedding matrix need not be saved with it
+    model.save_pretrained(out, save_embedding_layers=False)
     tokenizer.save_pretrained(out)
     record = {"config": asdict(cfg), "result": asdict(result), **card}
     (out / "training.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
