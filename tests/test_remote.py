@@ -76,7 +76,9 @@ def test_a_session_with_the_remote_backend_answers_like_the_in_process_one(model
     from rig_decode import RigConfig, RigSession
 
     question = "Which release fixed error E1234 and who approved it?"
-    cfg = RigConfig().updated(model={"max_tokens": 40}, rig={"retrieve_first": True, "max_query_tokens": 8})
+    # no adapter on either side (a server runs its own weights): both use the built-in instruction
+    cfg = RigConfig().updated(model={"max_tokens": 40, "adapter": None},
+                              rig={"retrieve_first": True, "max_query_tokens": 8})
     local_answer, local_trace = RigSession(cfg, model=model, tokenizer=tok, retriever=ScriptedRetriever()).ask(question)
     with FakeLlamaServer(model, tok.eos_token_id) as server:
         remote_cfg = cfg.updated(engine={"backend": "remote", "remote": {"base_url": server.url, "api": "llama.cpp"}})
