@@ -1,7 +1,8 @@
 """The remote backend against a real llama.cpp ``llama-server`` serving the embedded default model.
 
 Opt-in (building llama.cpp takes a while on CPU): set ``RIG_LLAMA_SERVER`` to a ``llama-server``
-binary and ``RIG_LLAMA_CONVERT`` to llama.cpp's ``convert_hf_to_gguf.py``. The model is converted
+binary and ``RIG_LLAMA_CONVERT`` to llama.cpp's ``convert_hf_to_gguf.py`` (which needs
+``sentencepiece`` installed). The model is converted
 to an F32 GGUF from the same safetensors the in-process backend loads, so both compute with the
 same weights in float32. The test starts and stops the server itself.
 """
@@ -35,6 +36,7 @@ def llama_server(tmp_path_factory):
 
     if not is_pulled("smollm2-135m-instruct"):
         pytest.skip("embedded default model not pulled")
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
     gguf = tmp_path_factory.mktemp("gguf") / "smollm2-135m-instruct-f32.gguf"
     subprocess.run([sys.executable, CONVERT, str(model_dir("smollm2-135m-instruct")), "--outtype", "f32",
                     "--outfile", str(gguf)], check=True, capture_output=True)
