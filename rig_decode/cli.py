@@ -159,9 +159,12 @@ def cmd_eval(args) -> int:
     for mi, c in data["rig_vs_reprefill"].items():
         print(f"\nrig vs rig-reprefill @ max_iterations={mi}: identical answers: {c['identical_answers']}, "
               f"rig {c['speedup']:.2f}x faster")
+    for label, c in data["variants_vs_rig"].items():
+        print(f"{label} vs rig: {100 * c['same_answers']:.1f}% identical answers, "
+              f"accuracy {100 * c['accuracy_delta']:+.1f} points")
     print(f"\nwrote {args.out}/report.md, results.json, traces.jsonl and plots", file=sys.stderr)
     if args.json:
-        print(json.dumps({"runs": data["runs"], "rig_vs_reprefill": data["rig_vs_reprefill"]}))
+        print(json.dumps({k: data[k] for k in ("runs", "rig_vs_reprefill", "variants_vs_rig")}))
     return 0
 
 
@@ -279,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(demo)
     demo.set_defaults(func=cmd_demo)
 
-    ev = sub.add_parser("eval", help="evaluate methods (none, rag, rig, rig-reprefill) on a dataset")
+    ev = sub.add_parser("eval", help="evaluate methods (none, rag, rig, rig-reprefill, rig-summary, "
+                                     "rig-zero-prefill) on a dataset")
     ev.add_argument("--dataset", required=True, help="JSONL (our format) or HotpotQA-style JSON/JSONL")
     ev.add_argument("--config", help="YAML config")
     ev.add_argument("--methods", help="default none,rag,rig,rig-reprefill; with --conversations "

@@ -120,7 +120,10 @@ class GateConfig(_Section):
 class RigLoopConfig(_Section):
     max_iterations: int = Field(3, ge=0, le=64)
     marker_style: Literal["special_token", "json"] = "special_token"
-    append_format: Literal["full"] = "full"
+    append_format: Literal["full", "summary"] = "full"
+    """``summary``: when a hop's evidence arrives, earlier evidence blocks leave the KV cache (keys
+    after them re-rotated, ``kernels/``); the model's own text after each block stays as its
+    summary. Bounds the context of long multi-hop answers; in-process (hf) backend only."""
     max_query_tokens: int = Field(48, ge=1)
     evidence_token_budget: int = Field(384, ge=16)
     newline_ends_query: bool = True
@@ -162,6 +165,17 @@ class RemoteConfig(_Section):
     timeout_s: float = Field(120.0, gt=0)
 
 
+class ZeroPrefillConfig(_Section):
+    """Evidence spliced from per-piece KV computed once, alone (``kernels/chunk_kv.py``): no prefill
+    of the reused tokens, at some cost in accuracy (they never attended to the context)."""
+
+    enabled: bool = False
+    recompute: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of each evidence block (its end, at least one token) computed with full attention."""
+    store_mb: int = Field(256, ge=0)
+    """Bytes of piece KV kept (least recently used dropped first), on the model's device."""
+
+
 class EngineConfig(_Section):
     backend: Literal["hf", "remote"] = "hf"
     """``hf``: the model runs in this process (transformers); ``remote``: a completion server runs
@@ -174,6 +188,7 @@ class EngineConfig(_Section):
     retrieval_retries: int = Field(1, ge=0, le=10)
     sync_retrieval: bool = False
     """Search inside the decode step (the other rows wait); for comparison only."""
+    zero_prefill: ZeroPrefillConfig = ZeroPrefillConfig()
 
     @model_validator(mode="after")
     def _remote_needs_a_url(self):
@@ -199,6 +214,16 @@ class RigConfig(_Section):
     rig: RigLoopConfig = RigLoopConfig()
     engine: EngineConfig = EngineConfig()
     server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _backend_supports_loop(self):
+        if self.engine.backend == "remote" and self.rig.append_format == "summary":
+            raise ValueError("rig.append_format: summary drops evidence from the KV cache, which a remote "
+                             "server does not expose; use engine.backend: hf")
+        if self.engine.backend == "remote" and self.engine.zero_prefill.enabled:
+            raise ValueError("engine.zero_prefill copies KV into the cache, which a remote server does not "
+                             "expose; use engine.backend: hf")
+        return self
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> "RigConfig":
@@ -257,4 +282,7 @@ def _describe(err: dict[str, Any]) -> str:
     path = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         return f"{path}: unknown key"
+    if err["type"] == "value_error":  # our own validators name the key in the message
+        msg = err["msg"].removeprefix("Value error, ")
+        return f"{path}: {msg}" if path else msg
     return f"{path}: {err['msg']} (got {err.get('input')!r})"

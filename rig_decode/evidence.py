@@ -26,6 +26,9 @@ class EvidenceBlock:
     truncated: bool
     shown: list[str] = field(default_factory=list)
     """Per rendered document, the text the block shows of it (cut where the budget cut it)."""
+    segments: list[int] = field(default_factory=list)
+    """Lengths of the separately tokenised pieces ``token_ids`` is made of (head, one per document
+    line, tail): each piece's KV can be computed alone and reused (``kernels/chunk_kv.py``)."""
 
 
 def number_hits(hits: list[Hit], known: dict[str, int]) -> list[int]:
@@ -72,7 +75,7 @@ class EvidenceFormatter:
         if len(self._head) + len(body) + len(self._tail) > budget:
             raise ValueError(f"{budget} tokens cannot hold a reference block")
         return EvidenceBlock(self._head + body + self._tail, f"\n<evidence>\nAlready retrieved: see {refs} above.\n"
-                             "</evidence>\n", [], False)
+                             "</evidence>\n", [], False, segments=[len(self._head), len(body), len(self._tail)])
 
     def render_block(self, hits: list[Hit], hop: int, budget: int | None = None,
                      numbers: list[int] | None = None) -> EvidenceBlock:
@@ -83,6 +86,7 @@ class EvidenceFormatter:
             raise ValueError(f"{budget} tokens cannot hold an evidence block")
         room = budget - len(self._head) - len(self._tail)
         body: list[int] = []
+        pieces: list[int] = []
         lines: list[str] = []
         doc_ids: list[str] = []
         shown: list[str] = []
@@ -99,17 +103,20 @@ class EvidenceFormatter:
                     ids = ids[:keep] + self._ellipsis
                     line = self.tokenizer.decode(ids[:keep]) + " …\n"
                     body += ids
+                    pieces += [keep, len(self._ellipsis)]
                     lines.append(line)
                     doc_ids.append(hit.doc_id)
                     shown.append(line[len(f"[{n}] {title}"):].rstrip("\n"))
                 truncated = True
                 break
             body += ids
+            pieces.append(len(ids))
             room -= len(ids)
             lines.append(line)
             doc_ids.append(hit.doc_id)
             shown.append(text)
         if not body:
-            body, lines = list(self._empty), [NO_EVIDENCE + "\n"]
+            body, pieces, lines = list(self._empty), [len(self._empty)], [NO_EVIDENCE + "\n"]
         text = "\n<evidence>\n" + "".join(lines) + "</evidence>\n"
-        return EvidenceBlock(self._head + body + self._tail, text, doc_ids, truncated, shown)
+        return EvidenceBlock(self._head + body + self._tail, text, doc_ids, truncated, shown,
+                             [len(self._head), *pieces, len(self._tail)])

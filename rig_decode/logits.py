@@ -118,13 +118,9 @@ class QueryCapProcessor(_MarkerProcessor):
         self.max_query_tokens = max_query_tokens
 
     def apply(self, rows, scores):
-        for i, row in enumerate(rows):
-            m = row.matcher
-            if m.must_close(self.max_query_tokens):
-                forced = m.next_forced_end()
-                scores[i].fill_(float("-inf"))
-                scores[i, forced] = 0.0
-        return scores
+        forced = [(i, row.matcher.next_forced_end()) for i, row in enumerate(rows)
+                  if row.matcher.must_close(self.max_query_tokens)]
+        return _force(scores, forced)
 
 
 class NoStopInQueryProcessor(_MarkerProcessor):
@@ -173,13 +169,24 @@ class RetrieveFirstProcessor(_MarkerProcessor):
         self.start_ids = vocab.tokenizer.encode(vocab.spec.start[0], add_special_tokens=False)
 
     def apply(self, rows, scores):
+        forced = []
         for i, row in enumerate(rows):
             n = len(row.matcher.token_ends)
             if (n < len(self.start_ids) and row.matcher.num_markers == 0 and not row.matcher.is_open
                     and _hop_limit(row, 1) > 0):
-                scores[i].fill_(float("-inf"))
-                scores[i, self.start_ids[n]] = 0.0
-        return scores
+                forced.append((i, self.start_ids[n]))
+        return _force(scores, forced)
+
+
+def _force(scores: torch.Tensor, forced: list[tuple[int, int]]) -> torch.Tensor:
+    """Leave only token ``t`` possible in row ``i`` for each ``(i, t)``: two batched writes, not a
+    full-row fill per row (per-row fills were most of the processors' time at batch 32)."""
+    if forced:
+        rows = torch.tensor([i for i, _ in forced], device=scores.device)
+        ids = torch.tensor([t for _, t in forced], device=scores.device)
+        scores[rows] = float("-inf")
+        scores[rows, ids] = 0.0
+    return scores
 
 
 def marker_processors(

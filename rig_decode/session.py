@@ -44,6 +44,10 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         citations=cfg.rig.citations,
         gate=settings_from_config(cfg.rig.gate) if cfg.rig.gate.enabled else None,
         reuse_similarity=cfg.rig.reuse_similarity,
+        append_format=cfg.rig.append_format,
+        zero_prefill=cfg.engine.zero_prefill.enabled,
+        zero_prefill_recompute=cfg.engine.zero_prefill.recompute,
+        chunk_store_bytes=cfg.engine.zero_prefill.store_mb << 20,
     )
     opts.update(overrides)
     return EngineOptions(**opts)

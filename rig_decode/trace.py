@@ -59,12 +59,14 @@ class Trace:
     """Time parked in RETRIEVING while other rows decoded."""
     total_ms: float = 0.0
     finish_reason: str = ""
+    evicted_tokens: int = 0
+    """Evidence tokens dropped from the cache again (``append_format: summary``)."""
     citations: list[dict] = field(default_factory=list)
+    """``[n]`` citations of the answer: document, sentence, valid, supported (``citations.py``)."""
     gate: list[dict] = field(default_factory=list)
+    """Retrieval-gate decisions (allow / veto / boost) with their sub-scores (``gate.py``)."""
     memory_docs: list[RetrievedDoc] = field(default_factory=list)
     """Documents the prompt carried from earlier turns (numbered 1..len); this answer's continue."""
-    """Retrieval-gate decisions (allow / veto / boost) with their sub-scores (``gate.py``)."""
-    """``[n]`` citations of the answer: document, sentence, valid, supported (``citations.py``)."""
 
     @property
     def num_hops(self) -> int:

@@ -10,5 +10,10 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     || echo "[test] could not install chromium: the playground test will be skipped"
 fi
 export RIG_REQUIRE_REAL_MODEL=1
+if command -v cmake >/dev/null && command -v c++ >/dev/null; then
+  ./scripts/build_native.sh
+else
+  echo "[test] cmake or c++ not found: the native extension is not built and its tests will be skipped"
+fi
 # pytest exits 5 when it collected no test: that fails this script like any other failure.
 exec .venv/bin/python -m pytest -q "$@"

@@ -59,6 +59,15 @@ def tiny_model(vocab_size: int, seed: int = 0, max_positions: int = 2048) -> Lla
     return model
 
 
+def one_layer_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
+    """A one-layer tiny model: each token's key and value depend only on the token and its
+    position, so KV moved or computed out of context must equal the in-context KV exactly."""
+    model = tiny_model(vocab_size, seed=seed)
+    model.config.num_hidden_layers = 1
+    model.model.layers = model.model.layers[:1]
+    return model
+
+
 class ScriptedRetriever:
     """Deterministic hits derived from the query text; records every batch it was asked."""
 

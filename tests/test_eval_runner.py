@@ -101,3 +101,27 @@ def test_conversation_eval_counts_redundant_retrieval(model, tok):
     assert memory["searches_per_conversation"] < plain["searches_per_conversation"]
     assert memory["reused_hops_per_conversation"] >= 2  # clarification and follow-up repeat the query
     assert memory["citation_validity"] in (None, 1.0)
+
+
+def test_cache_variants_are_compared_with_rig(tok, tmp_path):
+    """rig-summary and rig-zero-prefill run beside rig; on a one-layer model zero-prefill is exact
+    (a piece's KV does not depend on what precedes it), so its answers must all match rig's."""
+    from .helpers import one_layer_model
+
+    model = one_layer_model(len(tok), seed=3)
+    cfg = RigConfig().updated(model={"max_tokens": 24}, rig={"retrieve_first": True, "max_query_tokens": 4,
+                                                             "evidence_token_budget": 48})
+    retriever = build_retriever(RetrieverConfig(), cache_dir=tmp_path / "cache", corpus=DOCS)
+    keys = plan(["rig", "rig-summary", "rig-zero-prefill"], [2])
+    results = EvalRunner(cfg, model, tok, retriever, batch_size=2, progress=False).run(EXAMPLES, keys)
+    data = write_outputs(tmp_path, results, keys, {"dataset": "tiny", "command": "test", "model": "tiny",
+                                                   "examples": 3, "corpus": "3 documents"})
+    runs = data["runs"]
+    assert list(runs) == ["rig@2", "rig-summary@2", "rig-zero-prefill@2"]
+    assert data["variants_vs_rig"]["rig-zero-prefill@2"]["same_answers"] == 1.0
+    assert set(data["variants_vs_rig"]) == {"rig-summary@2", "rig-zero-prefill@2"}
+    assert runs["rig-summary@2"]["evidence_kept_per_question"] <= runs["rig@2"]["evidence_kept_per_question"]
+    assert runs["rig@2"]["evidence_kept_per_question"] > 0 and runs["rig@2"]["splice_ms_per_hop"] > 0
+    zp = [st["info"]["zero_prefill"] for r in results[keys[2]]["records"] for st in r["trace"]["retrieval_steps"]]
+    assert zp and all(z["reused_tokens"] > 0 for z in zp)
+    assert "rig-summary@2 vs rig" in (tmp_path / "report.md").read_text()

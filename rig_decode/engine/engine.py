@@ -30,6 +30,7 @@ finishes with a reason.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -40,6 +41,7 @@ import torch
 from ..citations import CitationProcessor, trace_docs
 from ..evidence import EvidenceFormatter, number_hits
 from ..gate import GateProcessor, GateSettings
+from ..kernels.chunk_kv import ChunkKVStore
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
 from ..memory import EvidenceMemory, Reuse, find_reuse
@@ -79,6 +81,15 @@ class EngineOptions:
     """Constrain ``[n]`` citations to documents the row's evidence showed (``citations.py``)."""
     gate: GateSettings | None = None
     """Retrieval gating (``gate.py``); None: every marker the model writes is served."""
+    append_format: str = "full"
+    """``summary``: when a hop's evidence arrives, the earlier blocks leave the cache (the model's
+    own text after each block stays, as its summary of it), so at most one block is kept."""
+    zero_prefill: bool = False
+    """Splice evidence from per-piece KV computed once, alone (``kernels/chunk_kv.py``), recomputing
+    only the block's tail: an approximation of the exact splice (off by default)."""
+    zero_prefill_recompute: float = 0.1
+    """Share of each block's tokens (its end, at least one) recomputed with full attention."""
+    chunk_store_bytes: int = 256 << 20
     reuse_similarity: float | None = None
     """A hop whose query is at least this similar to an earlier one (this answer's, or the
     conversation memory's) references that query's documents instead of searching again."""
@@ -97,6 +108,18 @@ class RigEngine:
         if runner is None and model is None:
             raise ValueError("RigEngine needs a model or a runner")
         self.runner = runner if runner is not None else HFModelRunner(model, pad)
+        if options.append_format not in ("full", "summary"):
+            raise ValueError(f"append_format must be full or summary, got {options.append_format!r}")
+        self.chunks = None
+        if options.zero_prefill:
+            if model is None or not isinstance(self.runner, HFModelRunner):
+                raise ValueError("zero_prefill copies precomputed KV into the cache: it needs the in-process (hf) backend")
+            if not 0.0 <= options.zero_prefill_recompute <= 1.0:
+                raise ValueError(f"zero_prefill_recompute must be in [0, 1], got {options.zero_prefill_recompute}")
+            self.chunks = ChunkKVStore(model, options.chunk_store_bytes)
+        if options.append_format == "summary" and not hasattr(self.runner, "evict"):
+            raise ValueError(f"append_format: summary drops evidence from the KV cache, which "
+                             f"{type(self.runner).__name__} cannot do; use the in-process (hf) backend")
         self.runner.reset(0)
         self.processors = [
             *extra_processors,
@@ -196,9 +219,12 @@ class RigEngine:
         rows = [self.running[i] for i in ready]
         t0 = time.perf_counter()
         spliced = {s.seq_id for s in rows if s.has_evidence_pending}
-        logits = self.runner.step([s.pending if s.status is RUNNING else [] for s in self.running])
+        staged = {i: self.running[i].staged_kv for i in ready if self.running[i].staged_kv is not None}
+        feed = [s.pending if s.status is RUNNING else [] for s in self.running]
+        logits = self.runner.step(feed, staged=staged) if staged else self.runner.step(feed)
         for s in rows:
             s.pending.clear()
+            s.staged_kv = None
         tokens, forced = self._sample(rows, logits[ready])
         done = time.perf_counter()
         dt_ms = (done - t0) * 1e3
@@ -208,7 +234,7 @@ class RigEngine:
             info = row_info(i) if row_info is not None else None
             if s.seq_id in spliced:
                 s.trace.splice_ms += dt_ms
-                s.trace.retrieval_steps[-1].splice_ms = dt_ms
+                s.trace.retrieval_steps[-1].splice_ms += dt_ms
                 if info is not None:
                     s.trace.retrieval_steps[-1].info["server"] = info
             elif s.num_generated:
@@ -233,7 +259,7 @@ class RigEngine:
         keep = [i for i, s in enumerate(self.running) if s not in moved]
         self.runner.select(keep)
         self.running = [self.running[i] for i in keep]
-        for s, rest in zip(moved, self.runner.add_rows([s.token_ids for s in moved], share_prefix=False)):
+        for s, rest in zip(moved, self.runner.add_rows([s.kept_ids for s in moved], share_prefix=False)):
             s.pending = list(rest)
             self.running.append(s)
 
@@ -324,7 +350,7 @@ class RigEngine:
             self._finish(s, "length", now)
         elif s.num_generated >= s.max_new_tokens:
             self._finish(s, "length", now)
-        elif len(s.token_ids) >= self.runner.context_limit:
+        elif s.num_kept >= self.runner.context_limit:
             self._finish(s, "context_full", now)
         elif s.deadline_at is not None and now > s.deadline_at:
             self._finish(s, "deadline", now)
@@ -374,7 +400,9 @@ class RigEngine:
         s.trace.retrieval_ms += latency_ms
         s.trace.parked_ms += (now - s.parked_at) * 1e3
         s.ticket = 0
-        room = self.runner.context_limit - len(s.token_ids) - 1
+        if self.opts.append_format == "summary":
+            self._drop_old_evidence(s, step)
+        room = self.runner.context_limit - s.num_kept - 1
         numbers = number_hits(hits, {d.id: d.number for d in trace_docs(s.trace)})
         try:
             block = (self.formatter.render_reference(reuse.numbers, budget=room) if reuse is not None
@@ -388,8 +416,36 @@ class RigEngine:
                      for h, n, text in zip(hits, numbers, block.shown)]
         step.evidence_tokens = len(block.token_ids)
         s.trace.evidence_tokens += len(block.token_ids)
+        s.evidence_spans.append((len(s.token_ids), len(s.token_ids) + len(block.token_ids)))
+        if self.chunks is not None and not self.opts.reprefill:
+            n = len(block.token_ids)
+            count = n - max(1, math.ceil(self.opts.zero_prefill_recompute * n))
+            if count > 0:
+                hits, t0 = self.chunks.hits, time.perf_counter()
+                s.staged_kv = self.chunks.block_kv(block.token_ids, block.segments, count)
+                kv_ms = (time.perf_counter() - t0) * 1e3  # pieces computed on a miss: part of the hop
+                step.splice_ms += kv_ms
+                s.trace.splice_ms += kv_ms
+                step.info["zero_prefill"] = {"reused_tokens": count, "recomputed_tokens": n - count,
+                                             "piece_hits": self.chunks.hits - hits, "kv_ms": round(kv_ms, 3)}
         s.append(block.token_ids, sampled=False)
         s.status, s.query = RUNNING, None
+
+    def _drop_old_evidence(self, s: Sequence, step: RetrievalStep) -> None:
+        """Summary mode: the evidence blocks the row holds leave its cache (the reference mode only
+        records it: the row's re-prefill leaves them out)."""
+        row = self.running.index(s)
+        dropped = 0
+        for start, end in s.evidence_spans:
+            if not self.opts.reprefill:
+                at = s.kept_index(start)
+                self.runner.evict(row, at, at + end - start)
+            s.evicted.append((start, end))
+            dropped += end - start
+        s.evidence_spans.clear()
+        if dropped:
+            step.info["evicted_tokens"] = dropped
+            s.trace.evicted_tokens += dropped
 
     def close(self) -> None:
         self.worker.close()

@@ -23,6 +23,17 @@ decode step writes its column in place, where a plain ``DynamicCache`` concatena
 (and page-faults in fresh memory for) the whole cache every step; at 16 rows x 1,000 columns that
 copy was a third of the step on CPU.
 
+A row can drop a span of its tokens (``evict``): the span's columns become holes and the keys after
+it are rotated back by the span's length (``kernels.rope_shift_``), so the row's positions stay
+contiguous and the next token sits right after the last kept one. Tokens after the span keep what
+they computed while attending to it: eviction is an approximation, used by ``append_format:
+summary`` (an evidence block is dropped once the model has written past it).
+
+A row can also take precomputed KV (``step(..., staged=)``, zero-prefill evidence, see
+``kernels/chunk_kv.py``): its first pending token (the marker's last) is fed, then the staged
+columns are copied in with their keys rotated to the positions that follow, then its remaining
+pending tokens are fed after them. Nothing of the staged tokens goes through the model.
+
 Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
 it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
 starts the same way, so a new row is seeded with the longest common prefix and prefills the rest.
@@ -33,6 +44,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from ..kernels import rope_shift_, rotary_inv_freq
 
 
 class BufferedLayer(DynamicLayer):
@@ -114,6 +127,7 @@ class HFModelRunner:
         self.lengths: list[int] = []  # real tokens each row has in the cache
         self.has_holes = False
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._inv_freq: torch.Tensor | None = None
 
     @property
     def context_limit(self) -> int:
@@ -226,10 +240,16 @@ class HFModelRunner:
     # -- stepping -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, rows: list[list[int]]) -> torch.Tensor:
+    def step(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]] | None = None) -> torch.Tensor:
         """Feed each row its tokens (a row may feed none); fp32 logits ``[B, vocab]`` after each
-        row's last token (rows that fed nothing get meaningless logits)."""
+        row's last token (rows that fed nothing get meaningless logits).
+
+        ``staged``: row -> (per-layer ``(keys, values)`` ``[1, kv_heads, n, head_dim]`` at
+        piece-local positions, per-column shift ``[n]``) standing for that row's pending tokens
+        ``1 .. n`` (``ChunkKVStore.block_kv``); the row must have at least one token after them."""
         assert self.cache is not None and len(rows) == self.batch_size, "rows must match the batch"
+        if staged:
+            return self._step_staged(rows, staged)
         lens = [len(r) for r in rows]
         if not any(lens):
             raise ValueError("no row has anything to feed")
@@ -246,6 +266,50 @@ class HFModelRunner:
         logits = sub.new_zeros(self.batch_size, sub.shape[-1])
         logits[long] = sub
         return logits
+
+    def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]]) -> torch.Tensor:
+        widths = {i: kv[0][0].shape[2] for i, (kv, _) in staged.items()}
+        for i, n in widths.items():
+            if len(rows[i]) < n + 2:
+                raise ValueError(f"row {i} stages {n} tokens but feeds only {len(rows[i])}: it needs its "
+                                 "first token before them and at least one after")
+        logits = self._forward_all([r[:1] for r in rows])
+        self._append_staged(staged, widths)
+        rest = [r[1 + widths.get(i, 0):] for i, r in enumerate(rows)]
+        long = [i for i, r in enumerate(rest) if r]
+        if long:
+            logits[long] = self._forward_rows(long, [rest[i] for i in long])
+        return logits
+
+    def _append_staged(self, staged, widths: dict[int, int]) -> None:
+        """Copy staged KV into new right-hand columns of its rows (holes elsewhere), keys rotated
+        from piece-local positions to the row's next positions."""
+        if self._inv_freq is None:
+            self._inv_freq = rotary_inv_freq(self.model).to(self.device)
+        width, cols0 = max(widths.values()), self.num_columns
+        rows_idx, cols_idx, shift = [], [], []
+        for i, (_, local) in staged.items():
+            n = widths[i]
+            rows_idx.append(torch.full((n,), i, dtype=torch.long))
+            cols_idx.append(torch.arange(cols0 + width - n, cols0 + width))
+            shift.append(local.float().cpu() + self.lengths[i])
+        rows_idx, cols_idx = torch.cat(rows_idx).to(self.device), torch.cat(cols_idx).to(self.device)
+        shift = torch.cat(shift).to(self.device)
+        for li, layer in enumerate(self.cache.layers):
+            keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, width))
+            values = torch.nn.functional.pad(layer.values, (0, 0, 0, width))
+            for i, (kv, _) in staged.items():
+                n = widths[i]
+                keys[i, :, cols0 + width - n :] = kv[li][0][0]
+                values[i, :, cols0 + width - n :] = kv[li][1][0]
+            rope_shift_(keys, rows_idx, cols_idx, shift, self._inv_freq)
+            layer.keys, layer.values = keys, values
+        block = torch.zeros((self.batch_size, width), dtype=torch.long, device=self.device)
+        for i, n in widths.items():
+            block[i, width - n :] = 1
+            self.lengths[i] += n
+        self.attn = torch.cat([self.attn, block], dim=1)
+        self.has_holes = self.has_holes or not bool(block.all())
 
     def _inputs(self, rows: list[list[int]], lengths: list[int]):
         """Left-padded ids, the new mask columns and per-row positions for one forward."""
@@ -296,7 +360,27 @@ class HFModelRunner:
             self.lengths[i] += len(r)
         return out.logits[:, -1, :].float()
 
-    # -- removing rows and holes --------------------------------------------------------------------
+    # -- removing rows, tokens and holes -----------------------------------------------------------
+
+    @torch.no_grad()
+    def evict(self, row: int, start: int, end: int) -> None:
+        """Drop the row's cached tokens ``start:end`` (counting its real tokens) and move the keys
+        after them back by ``end - start`` positions."""
+        n = self.lengths[row]
+        if not 0 <= start < end <= n:
+            raise ValueError(f"cannot evict tokens {start}:{end} of a row holding {n}")
+        if self._inv_freq is None:
+            self._inv_freq = rotary_inv_freq(self.model).to(self.device)
+        cols = self.attn[row].nonzero().squeeze(1)  # the row's real columns, in order
+        after = cols[end:]
+        if after.numel():
+            rows = torch.full_like(after, row)
+            shift = torch.full(after.shape, float(start - end), device=self.device)
+            for layer in self.cache.layers:
+                rope_shift_(layer.keys, rows, after, shift, self._inv_freq)
+        self.attn[row, cols[start:end]] = 0
+        self.lengths[row] = n - (end - start)
+        self.has_holes = True
 
     def select(self, keep: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch and free their cache)."""

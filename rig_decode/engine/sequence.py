@@ -5,6 +5,8 @@ re-encoded. ``mask`` runs beside it (1 = sampled by the model, 0 = prompt, evide
 same mask training uses to keep evidence out of the loss. ``pending`` holds the tail of
 ``token_ids`` that the model has not seen yet: one sampled token on a decode step, or the
 marker-completing token plus the evidence block after a hop, which is then prefilled in one go.
+With ``append_format: summary`` the cache drops old evidence blocks (``evicted``): it holds
+``kept_ids``, the token list minus those spans.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class Sequence:
     top_p: float | None = None
     memory: EvidenceMemory | None = None
     """The conversation's evidence memory (documents its prompt carries, earlier queries)."""
+    evidence_spans: list[tuple[int, int]] = field(default_factory=list)
+    """``token_ids`` spans of the evidence blocks the cache still holds."""
+    evicted: list[tuple[int, int]] = field(default_factory=list)
+    """``token_ids`` spans the cache dropped, in order."""
+    staged_kv: tuple | None = None
+    """Precomputed KV for the pending evidence (zero-prefill), consumed by the next step."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -79,6 +87,25 @@ class Sequence:
     @property
     def completion_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_kept(self) -> int:
+        """Tokens of ``token_ids`` the cache holds (or will, once ``pending`` is fed)."""
+        return len(self.token_ids) - sum(e - s for s, e in self.evicted)
+
+    @property
+    def kept_ids(self) -> list[int]:
+        if not self.evicted:
+            return list(self.token_ids)
+        out, at = [], 0
+        for s, e in self.evicted:
+            out += self.token_ids[at:s]
+            at = e
+        return out + self.token_ids[at:]
+
+    def kept_index(self, p: int) -> int:
+        """Where ``token_ids[p]`` (not itself evicted) sits among the kept tokens."""
+        return p - sum(e - s for s, e in self.evicted if e <= p)
 
     def append(self, token_ids: list[int], sampled: bool) -> None:
         self.token_ids += token_ids

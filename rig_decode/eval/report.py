@@ -28,6 +28,8 @@ COLUMNS = [
     ("marker_validity", "marker valid %", _pct),
     ("token_overhead", "token overhead", _num(".2f")),
     ("total_tokens_per_question", "tokens/q", _num(".0f")),
+    ("evidence_kept_per_question", "evidence kept/q", _num(".0f")),
+    ("splice_ms_per_hop", "splice ms/hop", _num(".0f")),
     ("latency_p50_ms", "p50 ms", _num(".0f")),
     ("latency_p95_ms", "p95 ms", _num(".0f")),
     ("wall_s", "wall s", _num(".1f")),
@@ -74,6 +76,25 @@ def compare_rig_modes(results: dict[RunKey, dict]) -> dict[str, dict]:
     return out
 
 
+def compare_variants(results: dict[RunKey, dict]) -> dict[str, dict]:
+    """``rig-summary`` and ``rig-zero-prefill`` approximate ``rig``: per hop budget run by both, the
+    share of identical answers and the accuracy change."""
+    out = {}
+    for key, res in results.items():
+        ref = results.get(RunKey("rig", key.max_iterations))
+        if key.method not in ("rig-summary", "rig-zero-prefill") or ref is None:
+            continue
+        a = {r["id"]: r for r in res["records"]}
+        b = {r["id"]: r for r in ref["records"]}
+        same = sum(a[i]["prediction"] == b[i]["prediction"] for i in a if i in b)
+        out[key.label] = {
+            "same_answers": same / len(a) if a else None,
+            "accuracy_delta": (sum(r["accuracy"] for r in a.values()) - sum(r["accuracy"] for r in b.values())) / len(a)
+            if a else None,
+        }
+    return out
+
+
 def plot(summary: dict[str, dict], keys: list[RunKey], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -113,11 +134,12 @@ def write_outputs(out_dir: str | Path, results: dict[RunKey, dict], keys: list[R
     out.mkdir(parents=True, exist_ok=True)
     summary = {k.label: aggregate(results[k]["records"], results[k]["wall_s"]) for k in keys}
     modes = compare_rig_modes(results)
+    variants = compare_variants(results)
     with (out / "traces.jsonl").open("w", encoding="utf-8") as f:
         for k in keys:
             for r in results[k]["records"]:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    data = {"meta": meta, "runs": summary, "rig_vs_reprefill": modes}
+    data = {"meta": meta, "runs": summary, "rig_vs_reprefill": modes, "variants_vs_rig": variants}
     (out / "results.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
     plots = plot(summary, keys, out)
     table = markdown_table(summary)
@@ -127,6 +149,9 @@ def write_outputs(out_dir: str | Path, results: dict[RunKey, dict], keys: list[R
     for mi, c in modes.items():
         lines.append(f"- rig vs rig-reprefill @ max_iterations={mi}: identical answers: {c['identical_answers']}, "
                      f"rig {c['speedup']:.2f}x faster (wall time)")
+    for label, c in variants.items():
+        lines.append(f"- {label} vs rig: {_pct(c['same_answers'])}% identical answers, accuracy "
+                     f"{100 * c['accuracy_delta']:+.1f} points")
     lines += ["", *[f"![{p.stem}]({p.name})" for p in plots], ""]
     (out / "report.md").write_text("\n".join(lines))
     return data

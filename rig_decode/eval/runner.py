@@ -5,8 +5,12 @@ Methods:
   rag            retrieve once with the question, evidence in the prompt, then answer
   rig            this project: the model retrieves when it asks, evidence spliced into the cache
   rig-reprefill  the same decisions, but every hop re-prefills the whole batch (string-based RIG)
+  rig-summary    rig with ``append_format: summary``: a new hop's evidence evicts the earlier blocks
+                 from the cache (the model's own text after them stays)
+  rig-zero-prefill  rig with zero-prefill evidence: per-piece KV computed alone and reused, only
+                 each block's tail recomputed (``kernels/chunk_kv.py``)
 
-``rig`` and ``rig-reprefill`` run per ``max_iterations`` value; ``none`` and ``rag`` once. All
+The rig methods run per ``max_iterations`` value; ``none`` and ``rag`` once. All
 questions are queued at once and the engine keeps ``batch_size`` of them decoding (continuous
 batching). A row computes the same tokens in any batch, so with greedy decoding ``rig`` and
 ``rig-reprefill`` give identical answers and only their cost differs. Latency is measured from a
@@ -30,7 +34,10 @@ from ..trace import RetrievalStep, RetrievedDoc, Trace
 from . import metrics as M
 from .datasets import EvalExample
 
-METHODS = ("none", "rag", "rig", "rig-reprefill")
+METHODS = ("none", "rag", "rig", "rig-reprefill", "rig-summary", "rig-zero-prefill")
+VARIANTS = {"rig-reprefill": dict(reprefill=True), "rig-summary": dict(append_format="summary"),
+            "rig-zero-prefill": dict(zero_prefill=True)}
+"""What each rig variant changes in the engine's options."""
 PLAIN_SYSTEM = "Answer the question in one short sentence."
 RAG_SYSTEM = "Answer the question in one short sentence, using the evidence given with it."
 
@@ -84,8 +91,8 @@ class EvalRunner:
 
     def _engine(self, key: RunKey) -> RigEngine:
         iters = key.max_iterations if key.max_iterations is not None else 0
-        opts = engine_options(self.config, self.model, max_iterations=iters,
-                              reprefill=key.method == "rig-reprefill", max_batch_size=self.batch_size)
+        opts = engine_options(self.config, self.model, max_iterations=iters, max_batch_size=self.batch_size,
+                              **VARIANTS.get(key.method, {}))
         return RigEngine(self.model, self.tokenizer, self.retriever, opts)
 
     def _prompt(self, key: RunKey, ex: EvalExample, rag_block: str | None) -> list[int]:
@@ -165,6 +172,8 @@ class EvalRunner:
             "token_overhead": (trace.marker_tokens + trace.evidence_tokens) / answer_tokens,
             "total_tokens": trace.prompt_tokens + trace.generated_tokens
                             + (trace.evidence_tokens if key.method != "rag" else 0),
+            "evidence_kept": trace.evidence_tokens - trace.evicted_tokens,
+            "splice_ms": trace.splice_ms,
             "latency_ms": trace.total_ms - trace.queue_ms,  # in the batch, not waiting for a place
             "source_claim_without_hop": bool(not steps and M.claims_sources(prediction)),
             "trace": trace.to_dict(),
@@ -178,6 +187,7 @@ def aggregate(records: list[dict], wall_s: float) -> dict:
     no_need = [r for r in records if r["needs_retrieval"] is False]
     markers = sum(r["markers_valid"] + r["markers_invalid"] for r in records)
     lat = [r["latency_ms"] for r in records]
+    num_hops = sum(r["hops"] for r in records)
     by_hops: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if r["gold_hops"] is not None:
@@ -194,6 +204,8 @@ def aggregate(records: list[dict], wall_s: float) -> dict:
         "marker_validity": sum(r["markers_valid"] for r in records) / markers if markers else None,
         "token_overhead": M.mean([r["token_overhead"] for r in records]),
         "total_tokens_per_question": M.mean([r["total_tokens"] for r in records]),
+        "evidence_kept_per_question": M.mean([r["evidence_kept"] for r in records]),
+        "splice_ms_per_hop": sum(r["splice_ms"] for r in records) / num_hops if num_hops else None,
         "latency_p50_ms": M.percentile(lat, 50),
         "latency_p95_ms": M.percentile(lat, 95),
         "wall_s": wall_s,

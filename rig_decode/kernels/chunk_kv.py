@@ -1,0 +1,87 @@
+"""Zero-prefill evidence: each evidence piece's KV is computed once, alone, and reused.
+
+An evidence block is a concatenation of separately tokenised pieces (``EvidenceBlock.segments``:
+head, one line per document, tail). ``ChunkKVStore`` keeps each piece's per-layer keys and values,
+computed by the model over the piece alone at positions ``0..m-1``, in a least-recently-used store
+bounded in bytes. ``block_kv`` assembles a block's KV from its pieces: the keys still sit at
+their piece-local positions, and ``shifts`` says how far each column is from its place in the block
+(the piece's offset), so the runner moves them to their final positions with one
+``rope_shift_`` per layer when it copies them into a row (``HFModelRunner.stage_kv``).
+
+What this gives up: a piece computed alone never attended to the text before it (the question, the
+answer so far, earlier pieces), which exact splicing does. The tail of the block (at least its last
+token, which must produce the next logits) is recomputed with full attention, as CacheBlend
+recomputes a fraction of tokens to restore cross-attention; how much accuracy that costs is measured
+by ``rig eval`` (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
+
+
+class ChunkKVStore:
+    def __init__(self, model, max_bytes: int = 256 << 20):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.model, self.max_bytes = model, max_bytes
+        self.device = next(model.parameters()).device
+        self._items: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.num_bytes = 0
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @torch.no_grad()
+    def get(self, ids: list[int]) -> KV:
+        """The piece's KV at positions ``0..len(ids)-1``, computed on a miss."""
+        key = tuple(ids)
+        kv = self._items.get(key)
+        if kv is not None:
+            self._items.move_to_end(key)
+            self.hits += 1
+            return kv
+        self.misses += 1
+        from ..engine.runner_hf import new_cache
+
+        cache = new_cache(self.model.config)
+        self.model(input_ids=torch.tensor([ids], device=self.device),
+                   position_ids=torch.arange(len(ids), device=self.device)[None],
+                   cache=cache, use_cache=True, logits_to_keep=1)
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        if size <= self.max_bytes:
+            self._items[key] = kv
+            self.num_bytes += size
+            while self.num_bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self.num_bytes -= sum(k.nbytes + v.nbytes for k, v in old)
+        return kv
+
+    def block_kv(self, token_ids: list[int], segments: list[int], count: int) -> tuple[KV, torch.Tensor]:
+        """KV of the block's first ``count`` tokens from its pieces, and each column's shift to its
+        place in the block (a piece cut by ``count`` contributes its first tokens: with causal
+        attention a prefix's KV does not depend on what follows it)."""
+        if sum(segments) != len(token_ids):
+            raise ValueError(f"segments cover {sum(segments)} tokens, the block has {len(token_ids)}")
+        if not 0 < count <= len(token_ids):
+            raise ValueError(f"count must be in 1..{len(token_ids)}, got {count}")
+        parts: list[KV] = []
+        shifts: list[torch.Tensor] = []
+        at = 0
+        for n in segments:
+            take = min(n, count - at)
+            if take <= 0:
+                break
+            kv = self.get(token_ids[at : at + n])
+            parts.append([(k[:, :, :take], v[:, :, :take]) for k, v in kv])
+            shifts.append(torch.full((take,), float(at)))
+            at += n
+        layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
+                  for i in range(len(parts[0]))]
+        return layers, torch.cat(shifts).to(self.device)

@@ -1,0 +1,104 @@
+"""Loads the optional native extension ``rig_decode._C``: C++ (and, where built, CUDA) kernels.
+
+The extension registers the operator ``torch.ops.rig_decode.rope_shift_`` (same semantics as
+``rope.rope_shift_ref_``) for the CPU, and for CUDA when it was built against a CUDA torch with
+``nvcc`` at hand. It is a plain torch operator library, not a Python module: it is loaded with
+``torch.ops.load_library`` from ``rig_decode/_C*.so``, once, on first use.
+
+Build it (cmake and a C++ compiler needed; rebuild after upgrading torch) with::
+
+    scripts/build_native.sh
+
+``RIG_NATIVE=0`` disables loading it; without it ``kernels.rope_shift_`` falls back to Triton or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_OP = "rig_decode::rope_shift_"
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_error = ""
+
+
+def _library_path() -> Path | None:
+    found = sorted(_PACKAGE_DIR.glob("_C*.so"))
+    if not found:
+        return None
+    # Several builds may sit side by side (one per interpreter): prefer this interpreter's name.
+    own = _PACKAGE_DIR / f"_C{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return own if own in found else found[0]
+
+
+def _has_kernel(dispatch_key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, dispatch_key)
+    except RuntimeError:  # the operator itself is not registered
+        return False
+
+
+def _load() -> tuple[bool, str]:
+    if os.environ.get("RIG_NATIVE", "1") == "0":
+        return False, "disabled by RIG_NATIVE=0"
+    if _has_kernel("CPU"):  # loaded earlier in this process (a library cannot be loaded twice)
+        return True, ""
+    path = _library_path()
+    if path is None:
+        return False, f"not built: no _C*.so in {_PACKAGE_DIR} (run scripts/build_native.sh)"
+    try:
+        torch.ops.load_library(str(path))
+    except Exception as exc:  # noqa: BLE001 - any failure to load means "not available", with its reason
+        return False, f"failed to load {path}: {type(exc).__name__}: {exc}"
+    if not _has_kernel("CPU"):
+        return False, f"{path} does not register {_OP} (stale build? run scripts/build_native.sh)"
+    return True, ""
+
+
+def available(reload: bool = False) -> bool:
+    """Whether the extension is loaded, loading it on the first call.
+
+    The outcome is cached; ``reload=True`` tries again (after a build, or a change of ``RIG_NATIVE``).
+    """
+    global _loaded, _error
+    with _lock:
+        if _loaded is None or reload:
+            _loaded, _error = _load()
+        return _loaded
+
+
+def load_error() -> str:
+    """Why the extension is not available ("" when it is)."""
+    available()
+    return _error
+
+
+def supports(device: torch.device | str) -> bool:
+    """Whether the extension has a kernel for tensors on ``device``."""
+    if not available():
+        return False
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return _has_kernel("CUDA")
+    return False
+
+
+def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+    """``rope.rope_shift_ref_`` by the native kernel: rotate ``keys[rows[n], :, cols[n], :]`` by ``shift[n]``.
+
+    The (row, column) pairs must be distinct: the kernel rotates in place, so a repeated pair would be
+    rotated by both shifts (or raced over by two threads) where the reference keeps one of them.
+    """
+    if not available():
+        raise RuntimeError(f"the native extension rig_decode._C is not available: {load_error()}")
+    return torch.ops.rig_decode.rope_shift_(keys, rows, cols, shift, inv_freq)

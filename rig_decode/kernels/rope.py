@@ -1,0 +1,74 @@
+"""RoPE re-rotation of cached keys: the plain-torch reference (the CPU path).
+
+A key cached at position ``p`` holds ``R(p) k`` where ``R`` rotates each pair ``(k[i], k[i + d/2])``
+by ``p * inv_freq[i]`` (the ``rotate_half`` layout of HF Llama, Qwen2, Mistral...). Rotations add,
+so ``R(s) R(p) k = R(p + s) k``: moving a cached key to another position is one more rotation by the
+shift ``s``, with no need for the token's hidden state. Two hop-time operations are built on it:
+
+* eviction: drop a span of ``n`` tokens and shift every key after it by ``-n``
+  (``HFModelRunner.evict``, ``append_format: summary``);
+* zero-prefill splice: an evidence chunk's KV computed once at positions ``0..m-1`` is copied into
+  a sequence's cache at positions ``L..L+m-1`` by shifting its keys by ``L`` (``kernels/chunk_kv``).
+
+Values carry no position and are moved as they are. The angle is computed in fp32 whatever the cache
+dtype (bf16 keys are rotated in fp32 and rounded once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_shift_ref_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
+                    inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``keys[rows[n], :, cols[n], :]`` by ``shift[n]`` positions, in place.
+
+    ``keys``: ``[batch, num_kv_heads, columns, head_dim]`` (any strides); ``rows``, ``cols``: int64
+    ``[N]``; ``shift``: ``[N]`` (positions to add, negative moves back); ``inv_freq``: fp32
+    ``[head_dim // 2]``. Returns ``keys``.
+    """
+    _check(keys, rows, cols, shift, inv_freq)
+    if rows.numel() == 0:
+        return keys
+    half = keys.shape[-1] // 2
+    angle = shift.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [N, half]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # broadcast over heads
+    k = keys[rows, :, cols, :].to(torch.float32)  # [N, H, D] (advanced indexing copies)
+    k1, k2 = k[..., :half], k[..., half:]
+    out = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    keys[rows, :, cols, :] = out.to(keys.dtype)
+    return keys
+
+
+def _check(keys, rows, cols, shift, inv_freq) -> None:
+    if keys.dim() != 4:
+        raise ValueError(f"keys must be [batch, heads, columns, head_dim], got shape {tuple(keys.shape)}")
+    if keys.shape[-1] % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {keys.shape[-1]}")
+    if inv_freq.numel() != keys.shape[-1] // 2:
+        raise ValueError(f"inv_freq has {inv_freq.numel()} entries; head_dim {keys.shape[-1]} needs "
+                         f"{keys.shape[-1] // 2}")
+    if not (rows.shape == cols.shape == shift.shape) or rows.dim() != 1:
+        raise ValueError(f"rows, cols and shift must be 1-D of one length, got {tuple(rows.shape)}, "
+                         f"{tuple(cols.shape)}, {tuple(shift.shape)}")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= keys.shape[0]
+                         or int(cols.min()) < 0 or int(cols.max()) >= keys.shape[2]):
+        raise IndexError(f"a (row, column) index is outside keys of shape {tuple(keys.shape)}")
+
+
+def rotary_inv_freq(model) -> torch.Tensor:
+    """The fp32 ``inv_freq`` of a HF decoder's rotary embedding (``model.model.rotary_emb``).
+
+    Re-rotation applies the pure rotation: a rope type whose ``attention_scaling`` is not 1 (YaRN)
+    scales keys once when they are computed, which a later rotation must not repeat. Rope types whose
+    frequencies change with the sequence length ("dynamic", "longrope") are refused.
+    """
+    inner = getattr(model, "model", model)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ValueError(f"{type(model).__name__} has no rotary embedding (model.rotary_emb.inv_freq): "
+                         "cached keys cannot be moved")
+    kind = getattr(rotary, "rope_type", "default")
+    if kind not in ("default", "linear", "llama3", "yarn"):  # fixed frequencies; "dynamic" rescales
+        raise ValueError(f"rope type {kind!r} is not supported by KV re-rotation")
+    return rotary.inv_freq.detach().to(torch.float32)

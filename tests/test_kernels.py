@@ -1,0 +1,175 @@
+"""KV surgery kernels: Triton (interpreter on CPU) against the torch reference, and eviction in the
+runner against a fresh prefill of the kept tokens."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton runs on CPU tensors only in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rig_decode import kernels  # noqa: E402
+from rig_decode.engine.runner_hf import HFModelRunner  # noqa: E402
+from rig_decode.kernels.rope import rope_shift_ref_, rotary_inv_freq  # noqa: E402
+
+from .helpers import one_layer_model, tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(gen, batch, heads, cols, dim, n, dtype, view):
+    """Random keys (optionally a non-contiguous view), n distinct (row, col) pairs, shifts."""
+    if view == "slice":  # columns 3.. of a wider buffer
+        keys = torch.randn(batch, heads, cols + 5, dim, generator=gen).to(dtype)[:, :, 3:3 + cols]
+    elif view == "transposed":  # stored [batch, cols, heads, dim]
+        keys = torch.randn(batch, cols, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        keys = torch.randn(batch, heads, cols, dim, generator=gen).to(dtype)
+    pairs = torch.randperm(batch * cols, generator=gen)[:n]
+    rows, cs = pairs // cols, pairs % cols
+    shift = torch.randint(-3000, 3000, (n,), generator=gen).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    return keys.to(DEVICE), rows.to(DEVICE), cs.to(DEVICE), shift.to(DEVICE), inv_freq.to(DEVICE)
+
+
+@pytest.mark.parametrize("batch,heads,cols,dim,n,dtype,view", [
+    (1, 1, 1, 2, 1, torch.float32, "contiguous"),
+    (3, 2, 17, 64, 20, torch.float32, "slice"),
+    (2, 3, 9, 48, 0, torch.float32, "contiguous"),
+    (4, 2, 31, 128, 57, torch.float32, "transposed"),
+    (2, 2, 13, 64, 11, torch.bfloat16, "slice"),
+])
+def test_triton_matches_reference(batch, heads, cols, dim, n, dtype, view):
+    pytest.importorskip("triton")
+    from rig_decode.kernels.triton_rope import rope_shift_triton_
+
+    gen = torch.Generator().manual_seed(batch * 1000 + cols)
+    keys, rows, cs, shift, inv = _case(gen, batch, heads, cols, dim, n, dtype, view)
+    ref, out = keys.clone(), keys
+    storage = out.data_ptr()
+    rope_shift_ref_(ref, rows, cs, shift, inv)
+    rope_shift_triton_(out, rows, cs, shift, inv)
+    assert out.data_ptr() == storage
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    if n:  # untouched entries stay bit-equal, rotated ones moved
+        touched = torch.zeros(batch, cols, dtype=torch.bool, device=keys.device)
+        touched[rows, cs] = True
+        before = _case(torch.Generator().manual_seed(batch * 1000 + cols), batch, heads, cols, dim, n, dtype, view)[0]
+        assert torch.equal(out.transpose(1, 2)[~touched], before.transpose(1, 2)[~touched])
+        assert not torch.allclose(out.transpose(1, 2)[touched].float(), before.transpose(1, 2)[touched].float())
+
+
+def test_rotations_compose_and_invert():
+    gen = torch.Generator().manual_seed(1)
+    keys, rows, cs, shift, inv = _case(gen, 2, 2, 8, 32, 10, torch.float64, "contiguous")
+    orig = keys.clone()
+    rope_shift_ref_(keys, rows, cs, shift, inv)
+    rope_shift_ref_(keys, rows, cs, -shift, inv)
+    torch.testing.assert_close(keys, orig, atol=1e-5, rtol=1e-5)  # angles are fp32
+    a, b = orig.clone(), orig.clone()
+    rope_shift_ref_(a, rows, cs, shift, inv)
+    rope_shift_ref_(a, rows, cs, shift, inv)
+    rope_shift_ref_(b, rows, cs, 2 * shift, inv)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_shift_matches_the_models_own_rope():
+    """Shifting a key computed at position p by s equals computing it at p + s (HF's rotary code)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_model(64)
+    rotary, inv = model.model.rotary_emb, rotary_inv_freq(model)
+    k = torch.randn(1, 2, 6, 16)  # [batch, heads, positions, head_dim]
+    pos, moved = torch.tensor([[0, 5, 9, 100, 1000, 2047]]), torch.tensor([[3, 0, 40, 7, 1500, 1]])
+    cos, sin = rotary(k, pos)
+    rotated, _ = apply_rotary_pos_emb(k, k, cos, sin)
+    cos2, sin2 = rotary(k, moved)
+    expected, _ = apply_rotary_pos_emb(k, k, cos2, sin2)
+    rope_shift_ref_(rotated, torch.zeros(6, dtype=torch.long), torch.arange(6), (moved - pos)[0].float(), inv)
+    torch.testing.assert_close(rotated, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_arguments_are_named():
+    keys = torch.zeros(1, 1, 4, 8)
+    idx = torch.tensor([0])
+    with pytest.raises(ValueError, match="inv_freq"):
+        kernels.rope_shift_(keys, idx, idx, idx.float(), torch.ones(3))
+    with pytest.raises(ValueError, match="1-D of one length"):
+        kernels.rope_shift_(keys, idx, torch.tensor([0, 1]), idx.float(), torch.ones(4))
+    with pytest.raises(IndexError, match="outside"):
+        kernels.rope_shift_(keys, idx, torch.tensor([4]), idx.float(), torch.ones(4))
+    with pytest.raises(ValueError, match="rope type"):
+        model = tiny_model(64)
+        model.model.rotary_emb.rope_type = "dynamic"
+        rotary_inv_freq(model)
+
+
+# -- eviction in the runner ---------------------------------------------------------------------------
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_eviction_then_decoding_matches_a_fresh_prefill_one_layer():
+    """With one layer, a token's key and value depend on the token and its position only, so
+    evicting a span and re-rotating what follows leaves exactly the cache of the kept tokens: every
+    token decoded afterwards matches a fresh prefill of them."""
+    model = one_layer_model(600)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 600, (40,), generator=gen).tolist()
+    other = torch.randint(3, 600, (25,), generator=gen).tolist()
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([prompt, other])  # a second, shorter row: holes in the batch
+    runner.evict(0, 10, 22)
+    runner.evict(1, 0, 5)
+    kept = [prompt[:10] + prompt[22:], other[5:]]
+    for t in range(4):
+        nxt = [[7 + t], [9 + t]]
+        logits = runner.step(nxt)
+        for row in range(2):
+            kept[row] += nxt[row]
+            torch.testing.assert_close(logits[row], _logits(model, kept[row]), atol=2e-4, rtol=2e-4)
+    runner.compact(force=True)
+    assert runner.lengths == [len(k) for k in kept] and runner.num_columns == max(runner.lengths)
+
+
+def _prefilled(seed: int, n: int):
+    model = tiny_model(600)
+    ids = torch.randint(3, 600, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([ids])
+    return model, ids, runner
+
+
+def test_eviction_at_the_end_is_exact_for_any_depth():
+    """Evicting the last tokens (nothing attended to them) equals never having fed them."""
+    model, ids, runner = _prefilled(4, 30)
+    runner.evict(0, 20, 30)
+    torch.testing.assert_close(runner.step([[5]])[0], _logits(model, ids[:20] + [5]), atol=2e-4, rtol=2e-4)
+
+
+def test_eviction_keeps_first_layer_keys_of_the_kept_tokens():
+    """On a deep model, the first layer's keys after eviction equal a fresh prefill's (deeper layers
+    keep what the dropped span contributed: the approximation summary mode accepts)."""
+    model, ids, runner = _prefilled(5, 50)
+    runner.evict(0, 5, 25)
+    runner.compact(force=True)
+    fresh = HFModelRunner(model, pad_id=0)
+    fresh.prefill([ids[:5] + ids[25:]])
+    torch.testing.assert_close(runner.cache.layers[0].keys, fresh.cache.layers[0].keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.cache.layers[0].values, fresh.cache.layers[0].values)
+    assert not torch.allclose(runner.cache.layers[1].values, fresh.cache.layers[1].values, atol=1e-3)
+
+
+def test_evict_rejects_bad_spans():
+    model = tiny_model(600)
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([[5, 6, 7, 8]])
+    for start, end in ((2, 2), (-1, 2), (3, 9)):
+        with pytest.raises(ValueError, match="cannot evict"):
+            runner.evict(0, start, end)
+    assert runner.lengths == [4]

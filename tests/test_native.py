@@ -1,0 +1,178 @@
+"""The native extension rig_decode._C (``rope_shift_``) against the plain-torch reference.
+
+The module builds the extension (scripts/build_native.sh) when it is not built yet, and is skipped
+only where it cannot be built: no cmake or no C++ compiler, or RIG_NATIVE=0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rig_decode import kernels
+from rig_decode.kernels import native
+from rig_decode.kernels.rope import rope_shift_ref_
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TOLERANCE = {  # (atol, rtol): the reference rotates in fp32 and rounds once, as the kernels do
+    torch.float32: (1e-5, 1e-6),
+    torch.float64: (1e-5, 1e-6),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+# Each layout: (the shape of the buffer to allocate, the keys view of it) for [batch, heads, columns, head_dim].
+LAYOUTS = {
+    "contiguous": (lambda b, h, c, d: (b, h, c, d), lambda buf: buf),
+    "column_slice": (lambda b, h, c, d: (b, h, c + 5, d), lambda buf: buf[:, :, 3:-2]),
+    "heads_columns_transposed": (lambda b, h, c, d: (b, c, h, d), lambda buf: buf.transpose(1, 2)),
+    "strided_head_dim": (lambda b, h, c, d: (b, h, c, 2 * d), lambda buf: buf[..., ::2]),
+    "reversed_dims": (lambda b, h, c, d: (d, c, h, b), lambda buf: buf.permute(3, 2, 1, 0)),
+}
+
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if os.environ.get("RIG_NATIVE") == "0":
+        pytest.skip("RIG_NATIVE=0 disables the native extension")
+    if native.available(reload=True):
+        return
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"cannot build the native extension: {' and '.join(missing)} not found")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_native.sh")], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=1800)
+    if proc.returncode:
+        pytest.fail(f"scripts/build_native.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    assert native.available(reload=True), native.load_error()
+
+
+def _device(device: str) -> torch.device:
+    if device == "cuda" and not native.supports("cuda"):
+        pytest.skip("the native extension was built without its CUDA kernel")
+    return torch.device(device)
+
+
+def _inv_freq(head_dim: int, device="cpu") -> torch.Tensor:
+    return 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def _case(layout, batch, heads, columns, head_dim, n, dtype, gen, device="cpu", float_shift=False):
+    """(buffer, keys view of it, rows, cols, shift, inv_freq) with n distinct (row, column) pairs."""
+    shape, view = LAYOUTS[layout]
+    buf = torch.randn(shape(batch, heads, columns, head_dim), generator=gen).to(device=device, dtype=dtype)
+    flat = torch.randperm(batch * columns, generator=gen)[:n]
+    rows, cols = (flat // columns).to(device), (flat % columns).to(device)
+    if float_shift:
+        shift = (torch.rand(n, generator=gen) * 400 - 200).to(device)
+    else:
+        shift = torch.randint(-200, 201, (n,), generator=gen).to(device)
+    return buf, view, rows, cols, shift, _inv_freq(head_dim, device)
+
+
+def _check_against_reference(buf, view, rows, cols, shift, inv_freq):
+    expected = buf.clone()
+    rope_shift_ref_(view(expected), rows, cols, shift, inv_freq)
+    keys = view(buf)
+    out = native.rope_shift_(keys, rows, cols, shift, inv_freq)
+    assert out is keys
+    atol, rtol = TOLERANCE[buf.dtype]
+    # The whole buffer: rotated entries match, everything else (other columns, memory outside the view) is untouched.
+    torch.testing.assert_close(buf, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
+def test_matches_reference(device, dtype, layout, head_dim):
+    device = _device(device)
+    gen = torch.Generator().manual_seed(head_dim)
+    for n, float_shift in ((0, False), (1, False), (2, True), (23, False), (39, True)):
+        _check_against_reference(*_case(layout, 3, 4, 13, head_dim, n, dtype, gen, device, float_shift))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_reference_many_positions(device, dtype):
+    # Enough (position, head) pairs to be split across threads.
+    gen = torch.Generator().manual_seed(1)
+    _check_against_reference(*_case("column_slice", 4, 8, 301, 64, 1000, dtype, gen, _device(device)))
+
+
+def test_in_place_leaves_other_columns_untouched():
+    gen = torch.Generator().manual_seed(2)
+    buf, view, rows, cols, shift, inv_freq = _case("column_slice", 2, 3, 9, 16, 5, torch.float32, gen)
+    shift[shift == 0] = 7
+    before = buf.clone()
+    keys = view(buf)
+    out = native.rope_shift_(keys, rows, cols, shift, inv_freq)
+    assert out is keys
+    touched = torch.zeros(buf.shape[0], buf.shape[2], dtype=torch.bool)
+    touched[:, 3:-2][rows, cols] = True
+    assert torch.equal(buf.transpose(1, 2)[~touched], before.transpose(1, 2)[~touched])
+    changed = (buf.transpose(1, 2)[touched] != before.transpose(1, 2)[touched]).flatten(1).any(1)
+    assert changed.all()
+
+
+def test_bad_arguments_raise_and_leave_keys_untouched():
+    keys = torch.randn(2, 3, 5, 8)
+    before = keys.clone()
+    rows, cols, shift, inv_freq = torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([3, -3]), _inv_freq(8)
+    with pytest.raises(ValueError, match="inv_freq has 3 entries"):
+        native.rope_shift_(keys, rows, cols, shift, inv_freq[:3])
+    with pytest.raises(ValueError, match="one length"):
+        native.rope_shift_(keys, rows, cols[:1], shift, inv_freq)
+    with pytest.raises(ValueError, match="one length"):
+        native.rope_shift_(keys, rows, cols, shift[:1], inv_freq)
+    with pytest.raises(IndexError, match="outside keys"):
+        native.rope_shift_(keys, rows, torch.tensor([4, 5]), shift, inv_freq)
+    with pytest.raises(IndexError, match="outside keys"):
+        native.rope_shift_(keys, torch.tensor([0, -1]), cols, shift, inv_freq)
+    with pytest.raises(IndexError, match="outside keys"):
+        native.rope_shift_(keys, torch.tensor([2, 0]), cols, shift, inv_freq)
+    with pytest.raises(TypeError, match="int64"):
+        native.rope_shift_(keys, rows.int(), cols, shift, inv_freq)
+    with pytest.raises(TypeError, match="keys must be float32"):
+        native.rope_shift_(keys.int(), rows, cols, shift, inv_freq)
+    with pytest.raises(ValueError, match="must be even"):
+        native.rope_shift_(torch.randn(2, 3, 5, 7), rows, cols, shift, inv_freq[:3])
+    with pytest.raises(ValueError, match="batch, heads, columns, head_dim"):
+        native.rope_shift_(keys[0], rows, cols, shift, inv_freq)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        native.rope_shift_(torch.randn(1, 1, 1, 8).expand(2, 3, 5, 8), rows, cols, shift, inv_freq)
+    assert torch.equal(keys, before)
+
+
+def test_dispatcher_uses_native_on_cpu(monkeypatch):
+    monkeypatch.delenv("RIG_KERNELS", raising=False)
+    assert native.supports(torch.device("cpu"))
+    assert kernels.backend_for(torch.device("cpu")) == "native"
+    gen = torch.Generator().manual_seed(3)
+    buf, view, rows, cols, shift, inv_freq = _case("heads_columns_transposed", 2, 2, 7, 32, 6, torch.float32, gen)
+    expected = buf.clone()
+    rope_shift_ref_(view(expected), rows, cols, shift, inv_freq)
+    kernels.rope_shift_(view(buf), rows, cols, shift, inv_freq)
+    torch.testing.assert_close(buf, expected, atol=1e-5, rtol=1e-6)
+
+
+def test_rig_native_0_disables_it(monkeypatch):
+    monkeypatch.delenv("RIG_KERNELS", raising=False)
+    monkeypatch.setenv("RIG_NATIVE", "0")
+    try:
+        assert not native.available(reload=True)
+        assert "RIG_NATIVE=0" in native.load_error()
+        assert not native.supports("cpu")
+        assert kernels.backend_for(torch.device("cpu")) == "torch"
+    finally:
+        monkeypatch.delenv("RIG_NATIVE")
+        assert native.available(reload=True), native.load_error()
