@@ -27,6 +27,15 @@ class KeptRecorder:
             self.seen.append((seq.kept_ids, scores[i].detach().clone()))
         return scores
 
+    def worst_error(self, model) -> float:
+        """Largest difference from a cache-free forward over the kept tokens."""
+        worst = 0.0
+        for kept, logits in self.seen:
+            with torch.no_grad():
+                ref = model(input_ids=torch.tensor([kept])).logits[0, -1].float()
+            worst = max(worst, (logits - ref).abs().max().item())
+        return worst
+
 
 def _run(model, tok, *, append_format, reprefill=False, recorder=None):
     vocab = MarkerVocab(tok, MarkerSpec.special_token())
@@ -54,12 +63,7 @@ def test_summary_keeps_only_the_latest_evidence_block(one_layer, tok):
         assert s.evicted == [(st.position, st.position + st.evidence_tokens) for st in steps[:-1]]
         assert s.num_kept == len(s.token_ids) - s.trace.evicted_tokens
     # every step's logits equal a plain forward over the tokens the cache kept
-    worst = 0.0
-    for kept, logits in rec.seen:
-        with torch.no_grad():
-            ref = one_layer(input_ids=torch.tensor([kept])).logits[0, -1].float()
-        worst = max(worst, (logits - ref).abs().max().item())
-    assert worst <= 2e-4, worst
+    assert rec.worst_error(one_layer) <= 2e-4
     # ...and the reference engine, which re-prefills the kept tokens after each hop, agrees
     reference = _run(one_layer, tok, append_format="summary", reprefill=True)
     for a, b in zip(seqs, reference):

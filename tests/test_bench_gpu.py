@@ -1,0 +1,61 @@
+"""bench/gpu.py at its small CPU shapes: every section runs, the table comes first, the JSON last."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    # One thread: the tiny shapes gain nothing from more, and a busy machine makes threads spin.
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--threads", "1", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _check(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert lines[0].split() == ["section", "metric", "value", "unit"]
+    table = "\n".join(lines[:-1])
+    for section in ("decode", "evidence prefill", "hop", "zero-prefill", "evict", "search", "rerank", "memory"):
+        assert f"\n{section} " in table, section
+
+    assert result["bench"] == "gpu" and result["device"] == "cpu" and result["shapes"] == "small"
+    assert result["errors"] == {}
+    contexts = [str(c) for c in result["contexts"]]
+    assert contexts == ["256", "512"]
+    assert set(result["decode_tok_s"]) == {"1", "8"}
+    assert all(_positive(v) for v in result["decode_tok_s"].values())
+    for key in ("splice_ms", "reprefill_ms", "reprefill_over_splice", "zero_prefill_ms", "evidence_prefill_tok_s"):
+        assert set(result[key]) == set(contexts), key
+        assert all(_positive(v) for v in result[key].values()), (key, result[key])
+    for key in ("evict_ms", "search_ms", "weights_gb", "index_gb", "kv_bytes_per_token", "planned_max_kv_tokens",
+                "peak_gb", "cap_gb"):
+        assert _positive(result[key]), (key, result.get(key))
+    # Optional pieces are figures or n/a with a reason, never missing.
+    assert _positive(result["rerank_ms"]) or result["na"]["rerank_ms"]
+    assert result["fits_under_cap"] is None and result["na"]["fits_under_cap"]
+    return result
+
+
+def test_small_shapes_on_cpu():
+    result = _check(_run())
+    assert result["quantization"] == "none" and result["dtype"] == "float32"
+    assert result["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K and V x layers x kv heads x head_dim x fp32
+
+
+def test_small_shapes_in_nf4_on_cpu():
+    """The layer-by-layer nf4 build the GPU run uses, at small shapes."""
+    pytest.importorskip("bitsandbytes")
+    result = _check(_run("--quant", "nf4"))
+    assert result["quantization"] == "nf4" and result["dtype"] == "bfloat16"
+    assert result["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 2
