@@ -11,8 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    # One thread: the tiny shapes gain nothing from more, and a busy machine makes threads spin.
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--threads", "1", *args],
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
