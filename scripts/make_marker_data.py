@@ -1,11 +1,16 @@
 """Build supervised marker traces from the synthetic benchmark with the real retriever.
 
     python scripts/make_marker_data.py --synth out/synth --out out/marker-data [--variants special,text,json]
+    python scripts/make_marker_data.py --synth out/synth --out out/marker-data --conversations --variants special
 
 Reads ``corpus.jsonl`` and ``train.jsonl``/``dev.jsonl`` of ``rig synth``'s output, indexes the
 corpus with the configured retriever (default: hybrid over the embedded MiniLM), and writes one
 JSONL of traces per split and marker style (``input_ids``, ``mask``, queries, evidence documents)
 plus ``stats.json``. The test split is never read: its entities stay unseen.
+
+``--conversations`` writes multi-turn traces instead (``{split}-conversations-{variant}.jsonl``, from
+``conversations-{split}.jsonl``; ``train/conversations.py``): every turn of every conversation,
+once with and once without the evidence memory in the prompt.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from rig_decode.eval.datasets import load_dataset
 from rig_decode.models.loader import load_tokenizer
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT
 from rig_decode.retrieval.factory import build_retriever
+from rig_decode.train.conversations import ConversationTraceBuilder
 from rig_decode.train.data import TraceBuilder
 
 
@@ -36,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--evidence-budget", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conversations", action="store_true", help="multi-turn traces from conversations-{split}.jsonl")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
                     help="system message of every trace; the trained adapter records it and sessions use it")
     args = ap.parse_args(argv)
@@ -52,6 +59,11 @@ def main(argv=None) -> int:
             _, corpus = load_dataset(synth / f"{split}.jsonl")
             retriever = build_retriever(RetrieverConfig(), corpus=corpus)
         for variant in args.variants.split(","):
+            if args.conversations:
+                stats[f"{split}-conversations-{variant}"] = _conversations(args, synth / f"conversations-{split}.jsonl",
+                                                                        out / f"{split}-conversations-{variant}.jsonl",
+                                                                        tok, retriever, variant)
+                continue
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                    top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
             path = out / f"{split}-{variant}.jsonl"
@@ -64,9 +76,23 @@ def main(argv=None) -> int:
                                          "kinds": builder.stats.kinds}
             print(f"{path}: {builder.stats.built} traces, {builder.stats.skipped} skipped, {builder.stats.kinds}",
                   file=sys.stderr)
-    (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    (out / ("stats-conversations.json" if args.conversations else "stats.json")).write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({"marker_data": stats}))
     return 0
+
+
+def _conversations(args, src: Path, path: Path, tok, retriever, variant: str) -> dict:
+    builder = ConversationTraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
+                                       top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
+    convs = [json.loads(line) for line in src.open(encoding="utf-8") if line.strip()]
+    with path.open("w", encoding="utf-8") as f:
+        for conv in tqdm(convs, desc=f"{src.name} {variant}", file=sys.stderr):
+            for with_memory in (False, True):
+                for trace in builder.build(conv, with_memory):
+                    f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
+    print(f"{path}: {builder.stats.built} traces, {builder.stats.skipped} conversations skipped, "
+          f"{builder.stats.kinds}", file=sys.stderr)
+    return {"built": builder.stats.built, "skipped": builder.stats.skipped, "kinds": builder.stats.kinds}
 
 
 if __name__ == "__main__":

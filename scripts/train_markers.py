@@ -40,7 +40,7 @@ Load it with `model: {{name: {model}, adapter: <this folder>}}`.
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     defaults = TrainConfig()
-    ap.add_argument("--data", required=True, help="traces (JSONL) of the special_token or json style")
+    ap.add_argument("--data", required=True, help="traces (JSONL) of the special_token or json style; several files comma-separated")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=ModelConfig().name)
     ap.add_argument("--steps", type=int, default=defaults.steps)
@@ -56,10 +56,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    traces = [json.loads(line) for line in Path(args.data).open(encoding="utf-8")]
+    traces = [json.loads(line) for path in args.data.split(",") for line in Path(path).open(encoding="utf-8")]
     if not traces:
         ap.error(f"{args.data} holds no traces")
     variant = traces[0]["variant"]
+    if {t["variant"] for t in traces} != {variant} or len({t.get("system_prompt") for t in traces}) != 1:
+        ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
                       top_layers=args.top_layers,
                       special_markers=variant == "special")
