@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer one question, retrieving as the model asks")
     ask.add_argument("question")
     ask.add_argument("--json", action="store_true", help='print one JSON object {"answer", "trace"}')
-    ask.add_argument("--backend", choices=["hf", "remote"], help="where the model runs (overrides engine.backend)")
+    ask.add_argument("--backend", choices=["hf", "remote", "vllm"],
+                     help="where the model runs (overrides engine.backend)")
     ask.add_argument("--base-url", help="the completion server of --backend remote (engine.remote.base_url)")
     common(ask)
     ask.set_defaults(func=cmd_ask)
@@ -343,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML config")
     serve.add_argument("--host", help="default: server.host (127.0.0.1)")
     serve.add_argument("--port", type=int, help="default: server.port (8000)")
+    serve.add_argument("--backend", choices=["hf", "remote", "vllm"],
+                       help="where the model runs (overrides engine.backend)")
+    serve.add_argument("--base-url", help="the completion server of --backend remote (engine.remote.base_url)")
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="manage embedded models")

@@ -165,6 +165,27 @@ class RemoteConfig(_Section):
     timeout_s: float = Field(120.0, gt=0)
 
 
+class VllmConfig(_Section):
+    """vLLM in this process (``engine.backend: vllm``); see ``engine/runner_vllm.py``."""
+
+    mode: Literal["auto", "stream", "prefix"] = "auto"
+    """``stream``: one resumable request per row (vLLM's ``StreamingInput``), its KV kept across hops;
+    ``prefix``: a new request per call, the prefix cache holding the earlier tokens; ``auto``: stream
+    where the installed vLLM has it."""
+    max_model_len: int = Field(8192, ge=16)
+    """Tokens a row may hold: prompt, generation and every hop's evidence."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture: faster start, slower decode."""
+    top_logprobs: int = Field(20, ge=1, le=100)
+    """Top log-probabilities per position: what the engine's masks and sampling choose among."""
+    lookahead: int = Field(16, ge=1, le=512)
+    """Tokens per request in prefix mode (stream mode asks for one token per step)."""
+    logits_processor: bool = False
+    """Register the marker logits processor with vLLM (``engine/vllm_logits.py``); needs the markers
+    as single tokens. The engine's own processors decide either way."""
+
+
 class ZeroPrefillConfig(_Section):
     """Evidence spliced from per-piece KV computed once, alone (``kernels/chunk_kv.py``): no prefill
     of the reused tokens, at some cost in accuracy (they never attended to the context)."""
@@ -177,10 +198,12 @@ class ZeroPrefillConfig(_Section):
 
 
 class EngineConfig(_Section):
-    backend: Literal["hf", "remote"] = "hf"
+    backend: Literal["hf", "remote", "vllm"] = "hf"
     """``hf``: the model runs in this process (transformers); ``remote``: a completion server runs
-    it (``engine.remote``), fed token ids, with the same retrieval loop, masks and trace."""
+    it (``engine.remote``), fed token ids, with the same retrieval loop, masks and trace; ``vllm``:
+    vLLM runs it in this process (``engine.vllm``), likewise."""
     remote: RemoteConfig = RemoteConfig()
+    vllm: VllmConfig = VllmConfig()
     max_batch_size: int = Field(16, ge=1)
     kv_budget: Literal["auto"] | int | None = "auto"
     """KV-cache token slots: ``auto`` (from the memory left after loading the model), a number, or
@@ -217,11 +240,12 @@ class RigConfig(_Section):
 
     @model_validator(mode="after")
     def _backend_supports_loop(self):
-        if self.engine.backend == "remote" and self.rig.append_format == "summary":
-            raise ValueError("rig.append_format: summary drops evidence from the KV cache, which a remote "
-                             "server does not expose; use engine.backend: hf")
-        if self.engine.backend == "remote" and self.engine.zero_prefill.enabled:
-            raise ValueError("engine.zero_prefill copies KV into the cache, which a remote server does not "
+        backend = {"remote": "a remote server", "vllm": "vLLM"}.get(self.engine.backend)
+        if backend and self.rig.append_format == "summary":
+            raise ValueError(f"rig.append_format: summary drops evidence from the KV cache, which {backend} "
+                             "does not expose; use engine.backend: hf")
+        if backend and self.engine.zero_prefill.enabled:
+            raise ValueError(f"engine.zero_prefill copies KV into the cache, which {backend} does not "
                              "expose; use engine.backend: hf")
         return self
 
@@ -250,10 +274,10 @@ class RigConfig(_Section):
         return cls.from_dict(data, source=str(path))
 
     def served_model(self) -> ModelConfig:
-        """``model`` as the backend runs it: a remote server serves its own weights, so there
+        """``model`` as the backend runs it: a remote server or vLLM loads its own weights, so there
         ``adapter: auto`` means none (an adapter folder named explicitly still gives the tokenizer
-        and prompt, for a server that serves the merged model)."""
-        if self.engine.backend == "remote" and self.model.adapter == "auto":
+        and prompt, for a model with the adapter merged in)."""
+        if self.engine.backend in ("remote", "vllm") and self.model.adapter == "auto":
             return self.model.model_copy(update={"adapter": None})
         return self.model
 

@@ -68,6 +68,14 @@ class RigSession:
 
             tokenizer = tokenizer or load_tokenizer(config.served_model())
             model, runner = None, remote_runner(config.engine.remote, len(tokenizer))
+        elif config.engine.backend == "vllm":
+            from .engine.runner_vllm import vllm_runner
+            from .engine.vllm_api import load_vllm_api
+            from .models.loader import load_tokenizer
+
+            api = load_vllm_api()  # before any model file is read: a missing vLLM fails first
+            tokenizer = tokenizer or load_tokenizer(config.served_model())
+            model, runner = None, vllm_runner(config, len(tokenizer), tokenizer=tokenizer, api=api)
         elif model is None or tokenizer is None:
             from .models.loader import load_model
 

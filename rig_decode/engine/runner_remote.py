@@ -224,12 +224,15 @@ class RemoteRunner:
     def batch_size(self) -> int:
         return len(self.rows)
 
+    def _new_row(self) -> _Row:
+        return _Row()
+
     def reset(self, batch_size: int = 0) -> None:
-        self.rows = [_Row() for _ in range(batch_size)]
+        self.rows = [self._new_row() for _ in range(batch_size)]
 
     def add_rows(self, prompts: list[list[int]], share_prefix: bool = True) -> list[list[int]]:
         """New rows start empty and feed their whole prompt (the server's cache holds any prefix)."""
-        self.rows += [_Row() for _ in prompts]
+        self.rows += [self._new_row() for _ in prompts]
         return [list(p) for p in prompts]
 
     def select(self, keep: list[int]) -> None:
@@ -260,20 +263,33 @@ class RemoteRunner:
             if not row.ahead:
                 ask.append(i)
         if ask:
-            calls = [self.rows[i].tokens for i in ask]
-            done = list(self.pool.map(self._complete, calls)) if self.pool else [self._complete(t) for t in calls]
-            for i, (completion, info) in zip(ask, done):
-                self.rows[i].ahead = deque(completion.predictions)
-                self.rows[i].info = info
+            self._ask(ask)
         logits = torch.zeros(len(self.rows), self.vocab_size)
         for i, (row, feed) in enumerate(zip(self.rows, feeds)):
             if feed:
                 logits[i] = self._scores(row.ahead[0].top)
         return logits
 
+    def _ask(self, ask: list[int]) -> None:
+        """Ask the server what comes next for these rows (their lookahead is used up)."""
+        calls = [self.rows[i].tokens for i in ask]
+        done = list(self.pool.map(self._complete, calls)) if self.pool else [self._complete(t) for t in calls]
+        self._take(ask, done)
+
+    def _take(self, ask: list[int], done: list[tuple[Completion, dict]]) -> None:
+        for i, (completion, info) in zip(ask, done):
+            self.rows[i].ahead = deque(completion.predictions)
+            self.rows[i].info = info
+
+    def _predict_n(self, tokens: list[int]) -> int:
+        return max(1, min(self.lookahead, self._limit - len(tokens)))
+
     def _complete(self, tokens: list[int]) -> tuple[Completion, dict]:
-        n = max(1, min(self.lookahead, self._limit - len(tokens)))
-        completion = self.server.complete(list(tokens), n, self.top_logprobs)
+        completion = self.server.complete(list(tokens), self._predict_n(tokens), self.top_logprobs)
+        return completion, self._accept(tokens, completion)
+
+    def _accept(self, tokens: list[int], completion: Completion) -> dict:
+        """Count the call, check it, and say what the server did with the prompt."""
         self.calls += 1
         if not completion.predictions:
             raise RemoteError("the server returned no tokens (context full on the server side?)")
@@ -282,7 +298,7 @@ class RemoteRunner:
             info["prompt_ms"] = completion.prompt_ms
         if completion.prompt_ids is not None and list(completion.prompt_ids) != list(tokens):
             info["retokenized"] = True
-        return completion, info
+        return info
 
     def _scores(self, top: list[tuple[int, float]]) -> torch.Tensor:
         """Top log-probabilities in place, every other token 30 nats below the least of them
