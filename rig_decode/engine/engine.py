@@ -96,9 +96,6 @@ class EngineOptions:
 
 
 class RigEngine:
-    ANCHOR_TOKENS = 4
-    """Zero-prefill pieces are computed after this many first tokens of a prompt (``chunk_kv.py``)."""
-
     def __init__(self, model, tokenizer, retriever: Retriever | None, options: EngineOptions = EngineOptions(),
                  extra_processors=(), vocab: MarkerVocab | None = None, runner=None):
         """``model``: a HuggingFace causal LM, run in process; or None with a ``runner`` that stands
@@ -424,8 +421,6 @@ class RigEngine:
             n = len(block.token_ids)
             count = n - max(1, math.ceil(self.opts.zero_prefill_recompute * n))
             if count > 0:
-                if not self.chunks.anchor:  # the prompts' common start: the pieces' stand-in context
-                    self.chunks.anchor = tuple(s.prompt_ids[: self.ANCHOR_TOKENS])
                 hits, t0 = self.chunks.hits, time.perf_counter()
                 s.staged_kv = self.chunks.block_kv(block.token_ids, block.segments, count)
                 kv_ms = (time.perf_counter() - t0) * 1e3  # pieces computed on a miss: part of the hop

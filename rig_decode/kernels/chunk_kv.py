@@ -2,19 +2,14 @@
 
 An evidence block is a concatenation of separately tokenised pieces (``EvidenceBlock.segments``:
 head, one line per document, tail). ``ChunkKVStore`` keeps each piece's per-layer keys and values,
-computed by the model over the piece alone (after the anchor below), in a least-recently-used store
+computed by the model over the piece alone at positions ``0..m-1``, in a least-recently-used store
 bounded in bytes. ``block_kv`` assembles a block's KV from its pieces: the keys still sit at
 their piece-local positions, and ``shifts`` says how far each column is from its place in the block
-(the piece's offset, less the anchor's length), so the runner moves them to their final positions with one
+(the piece's offset), so the runner moves them to their final positions with one
 ``rope_shift_`` per layer when it copies them into a row (``HFModelRunner.stage_kv``).
 
-Each piece is computed after a short fixed ``anchor`` (the start of the engine's prompts, e.g. the
-chat template's first tokens) whose KV is then dropped: a piece computed from position 0 would make
-its first token the attention sink (the position every head dumps attention on), and that sink-like
-KV, copied into the middle of a context, distorts every later token's attention.
-
-What this gives up: a piece never attended to the text before it (the question, the answer so far,
-earlier pieces), which exact splicing does. The tail of the block (at least its last
+What this gives up: a piece computed alone never attended to the text before it (the question, the
+answer so far, earlier pieces), which exact splicing does. The tail of the block (at least its last
 token, which must produce the next logits) is recomputed with full attention, as CacheBlend
 recomputes a fraction of tokens to restore cross-attention; how much accuracy that costs is measured
 by ``rig eval`` (docs/kernels.md).
@@ -30,10 +25,10 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_h
 
 
 class ChunkKVStore:
-    def __init__(self, model, max_bytes: int = 256 << 20, anchor: list[int] | tuple[int, ...] = ()):
+    def __init__(self, model, max_bytes: int = 256 << 20):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.model, self.max_bytes, self.anchor = model, max_bytes, tuple(anchor)
+        self.model, self.max_bytes = model, max_bytes
         self.device = next(model.parameters()).device
         self._items: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         self.num_bytes = 0
@@ -44,8 +39,8 @@ class ChunkKVStore:
 
     @torch.no_grad()
     def get(self, ids: list[int]) -> KV:
-        """The piece's KV at positions ``len(anchor) ..`` (after the anchor), computed on a miss."""
-        key = (self.anchor, tuple(ids))
+        """The piece's KV at positions ``0..len(ids)-1``, computed on a miss."""
+        key = tuple(ids)
         kv = self._items.get(key)
         if kv is not None:
             self._items.move_to_end(key)
@@ -55,11 +50,10 @@ class ChunkKVStore:
         from ..engine.runner_hf import new_cache
 
         cache = new_cache(self.model.config)
-        full, a = [*self.anchor, *ids], len(self.anchor)
-        self.model(input_ids=torch.tensor([full], device=self.device),
-                   position_ids=torch.arange(len(full), device=self.device)[None],
+        self.model(input_ids=torch.tensor([ids], device=self.device),
+                   position_ids=torch.arange(len(ids), device=self.device)[None],
                    cache=cache, use_cache=True, logits_to_keep=1)
-        kv = [(layer.keys[:, :, a:].clone(), layer.values[:, :, a:].clone()) for layer in cache.layers]
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         size = sum(k.nbytes + v.nbytes for k, v in kv)
         if size <= self.max_bytes:
             self._items[key] = kv
@@ -86,7 +80,7 @@ class ChunkKVStore:
                 break
             kv = self.get(token_ids[at : at + n])
             parts.append([(k[:, :, :take], v[:, :, :take]) for k, v in kv])
-            shifts.append(torch.full((take,), float(at - len(self.anchor))))
+            shifts.append(torch.full((take,), float(at)))
             at += n
         layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                   for i in range(len(parts[0]))]
