@@ -39,7 +39,7 @@ def test_hop_relevance_with_and_without_gold_ids():
 def _rec(**kw):
     base = dict(em=0.0, f1=0.0, accuracy=0.0, hops=0, relevant_hops=0, judged_hops=0, support_recall=None,
                 needs_retrieval=True, markers_valid=0, markers_invalid=0, token_overhead=0.0, total_tokens=10,
-                latency_ms=100.0, source_claim_without_hop=False, gold_hops=1)
+                latency_ms=100.0, source_claim_without_hop=False, gold_hops=1, evidence_kept=0, splice_ms=0.0)
     base.update(kw)
     return base
 
@@ -47,9 +47,9 @@ def _rec(**kw):
 def test_aggregate_hand_computed():
     recs = [
         _rec(accuracy=1.0, em=1.0, hops=2, relevant_hops=1, judged_hops=2, support_recall=0.5,
-             markers_valid=2, latency_ms=100, gold_hops=2),
+             markers_valid=2, latency_ms=100, gold_hops=2, evidence_kept=100, splice_ms=30.0),
         _rec(hops=1, relevant_hops=1, judged_hops=1, support_recall=1.0, markers_valid=1, markers_invalid=1,
-             latency_ms=300, gold_hops=1),
+             latency_ms=300, gold_hops=1, evidence_kept=60, splice_ms=10.0),
         _rec(needs_retrieval=False, hops=1, judged_hops=0, latency_ms=200, gold_hops=0,
              source_claim_without_hop=False),
         _rec(needs_retrieval=False, hops=0, latency_ms=400, gold_hops=0, source_claim_without_hop=True),
@@ -64,6 +64,8 @@ def test_aggregate_hand_computed():
     assert m["latency_p50_ms"] == 250.0
     assert m["source_claims_without_hop"] == 0.25
     assert m["accuracy_by_hops"] == {"0": 0.0, "1": 0.0, "2": 1.0}
+    assert m["evidence_kept_per_question"] == 40.0  # (100 + 60 + 0 + 0) / 4
+    assert m["splice_ms_per_hop"] == 10.0  # 40 ms over 4 hops
 
 
 def test_plan_orders_runs_and_limits_the_reference():
