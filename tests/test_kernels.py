@@ -106,6 +106,19 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
+def test_layers_are_shifted_alike_and_must_share_a_shape():
+    gen = torch.Generator().manual_seed(2)
+    keys, rows, cs, shift, inv = _case(gen, 2, 2, 9, 16, 7, torch.float32, "contiguous")
+    layers = [keys.clone(), (keys * 2).clone()]
+    expected = [rope_shift_ref_(k.clone(), rows, cs, shift, inv) for k in layers]
+    out = kernels.rope_shift_layers_(layers, rows, cs, shift, inv)
+    assert out[0] is layers[0] and out[1] is layers[1]  # in place
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.rope_shift_layers_([keys, keys[:, :, :4]], rows, cs, shift, inv)
+
+
 # -- eviction in the runner ---------------------------------------------------------------------------
 
 

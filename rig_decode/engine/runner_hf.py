@@ -24,7 +24,7 @@ decode step writes its column in place, where a plain ``DynamicCache`` concatena
 copy was a third of the step on CPU.
 
 A row can drop a span of its tokens (``evict``): the span's columns become holes and the keys after
-it are rotated back by the span's length (``kernels.rope_shift_``), so the row's positions stay
+it are rotated back by the span's length (``kernels.rope_shift_layers_``), so the row's positions stay
 contiguous and the next token sits right after the last kept one. Tokens after the span keep what
 they computed while attending to it: eviction is an approximation, used by ``append_format:
 summary`` (an evidence block is dropped once the model has written past it).
@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..kernels import rope_shift_, rotary_inv_freq
+from ..kernels import rope_shift_layers_, rotary_inv_freq
 
 
 class BufferedLayer(DynamicLayer):
@@ -284,8 +284,6 @@ class HFModelRunner:
     def _append_staged(self, staged, widths: dict[int, int]) -> None:
         """Copy staged KV into new right-hand columns of its rows (holes elsewhere), keys rotated
         from piece-local positions to the row's next positions."""
-        if self._inv_freq is None:
-            self._inv_freq = rotary_inv_freq(self.model).to(self.device)
         width, cols0 = max(widths.values()), self.num_columns
         rows_idx, cols_idx, shift = [], [], []
         for i, (_, local) in staged.items():
@@ -302,8 +300,9 @@ class HFModelRunner:
                 n = widths[i]
                 keys[i, :, cols0 + width - n :] = kv[li][0][0]
                 values[i, :, cols0 + width - n :] = kv[li][1][0]
-            rope_shift_(keys, rows_idx, cols_idx, shift, self._inv_freq)
             layer.keys, layer.values = keys, values
+        rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
+                           self._rope_inv_freq())
         block = torch.zeros((self.batch_size, width), dtype=torch.long, device=self.device)
         for i, n in widths.items():
             block[i, width - n :] = 1
@@ -360,6 +359,11 @@ class HFModelRunner:
             self.lengths[i] += len(r)
         return out.logits[:, -1, :].float()
 
+    def _rope_inv_freq(self) -> torch.Tensor:
+        if self._inv_freq is None:
+            self._inv_freq = rotary_inv_freq(self.model).to(self.device)
+        return self._inv_freq
+
     # -- removing rows, tokens and holes -----------------------------------------------------------
 
     @torch.no_grad()
@@ -369,15 +373,13 @@ class HFModelRunner:
         n = self.lengths[row]
         if not 0 <= start < end <= n:
             raise ValueError(f"cannot evict tokens {start}:{end} of a row holding {n}")
-        if self._inv_freq is None:
-            self._inv_freq = rotary_inv_freq(self.model).to(self.device)
         cols = self.attn[row].nonzero().squeeze(1)  # the row's real columns, in order
         after = cols[end:]
         if after.numel():
             rows = torch.full_like(after, row)
             shift = torch.full(after.shape, float(start - end), device=self.device)
-            for layer in self.cache.layers:
-                rope_shift_(layer.keys, rows, after, shift, self._inv_freq)
+            rope_shift_layers_([layer.keys for layer in self.cache.layers], rows, after, shift,
+                               self._rope_inv_freq())
         self.attn[row, cols[start:end]] = 0
         self.lengths[row] = n - (end - start)
         self.has_holes = True

@@ -20,7 +20,7 @@ import torch
 from . import native
 from .rope import _check, rope_shift_ref_, rotary_inv_freq
 
-__all__ = ["rope_shift_", "rope_shift_ref_", "rotary_inv_freq", "backend_for", "has_triton"]
+__all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rotary_inv_freq", "backend_for", "has_triton"]
 
 
 def has_triton() -> bool:
@@ -53,12 +53,28 @@ def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shif
                 inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate ``keys[rows[n], :, cols[n], :]`` by ``shift[n]`` positions in place (see ``rope.py``);
     the (row, column) pairs must be distinct."""
-    _check(keys, rows, cols, shift, inv_freq)
+    return rope_shift_layers_([keys], rows, cols, shift, inv_freq)[0]
+
+
+def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
+                       inv_freq: torch.Tensor) -> list[torch.Tensor]:
+    """``rope_shift_`` on every layer's keys (one shape) with the same entries: the arguments are
+    checked once, not once per layer (the index bounds cost a device sync on CUDA)."""
+    if not layers:
+        return layers
+    _check(layers[0], rows, cols, shift, inv_freq)
+    for keys in layers[1:]:
+        if keys.shape != layers[0].shape:
+            raise ValueError(f"every layer's keys must have one shape, got {tuple(layers[0].shape)} and "
+                             f"{tuple(keys.shape)}")
     rows, cols = rows.long(), cols.long()
-    backend = backend_for(keys.device)
+    backend = backend_for(layers[0].device)
     if backend == "native":
-        return native.rope_shift_(keys, rows, cols, shift, inv_freq)
-    if backend == "triton":
-        from .triton_rope import rope_shift_triton_
-        return rope_shift_triton_(keys, rows, cols, shift, inv_freq)
-    return rope_shift_ref_(keys, rows, cols, shift, inv_freq)
+        kernel = native.rope_shift_
+    elif backend == "triton":
+        from .triton_rope import rope_shift_triton_ as kernel
+    else:
+        kernel = rope_shift_ref_
+    for keys in layers:
+        kernel(keys, rows, cols, shift, inv_freq)
+    return layers

@@ -6,7 +6,7 @@ computed by the model over the piece alone at positions ``0..m-1``, in a least-r
 bounded in bytes. ``block_kv`` assembles a block's KV from its pieces: the keys still sit at
 their piece-local positions, and ``shifts`` says how far each column is from its place in the block
 (the piece's offset), so the runner moves them to their final positions with one
-``rope_shift_`` per layer when it copies them into a row (``HFModelRunner.stage_kv``).
+``rope_shift_layers_`` call when it copies them into a row (``HFModelRunner.step(staged=)``).
 
 What this gives up: a piece computed alone never attended to the text before it (the question, the
 answer so far, earlier pieces), which exact splicing does. The tail of the block (at least its last
