@@ -21,7 +21,7 @@ whether stream and prefix gave the same tokens (greedy; vLLM's batch-dependent n
 rows, which is reported, not asserted). stdout: a table, then ONE JSON line last.
 
     python bench/vllm_gpu.py                                   # Qwen2.5-32B-Instruct AWQ
-    python bench/vllm_gpu.py --quant nf4                       # the bitsandbytes nf4 checkpoint
+    python bench/vllm_gpu.py --quant nf4                       # the bitsandbytes nf4 checkpoint (a vLLM with bitsandbytes)
     python bench/vllm_gpu.py /models/qwen2.5-7b --questions 16 --hops 3
 
 Without CUDA it prints a skip notice and a JSON line with ``skipped`` and exits 0; with CUDA but
@@ -269,9 +269,13 @@ def main(argv=None) -> int:
         "engine": {"backend": "vllm", "vllm": {"max_model_len": args.max_model_len, "gpu_memory_utilization":
                                                args.gpu_mem, "enforce_eager": args.enforce_eager,
                                                "top_logprobs": args.top_logprobs, "lookahead": args.lookahead}}})
+    try:
+        engine_args = api.AsyncEngineArgs(**engine_args_kwargs(cfg, api))
+    except ValueError as e:  # e.g. --quant nf4 on a vLLM without bitsandbytes (0.33.0 has none)
+        print(f"bench/vllm_gpu.py: {e}", file=sys.stderr)
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(model)
     loop = EventLoopThread()
-    engine_args = api.AsyncEngineArgs(**engine_args_kwargs(cfg))
     print(f"[bench] loading {model} in vLLM {api.version}", file=sys.stderr)
 
     async def start():

@@ -64,16 +64,20 @@ def test_vllm_runner_gives_the_in_process_tokens(model, tok, mode, name):
         assert b.token_ids == a.token_ids and b.mask == a.mask
         assert b.trace.num_hops == a.trace.num_hops > 0
     assert fake.max_waiting == len(PROMPTS)  # the rows' first requests were in flight together
+    first_lookups = {r["reported"] for r in fake.requests if r["kind"] == "chunk"}
     for s in out:
         for step in s.trace.retrieval_steps:
             if not step.evidence_tokens:
                 continue
             info = step.info["server"]
-            assert info["mode"] == mode and info["num_cached_tokens"] == info["cache_n"]
+            assert info["mode"] == mode
             if mode == "stream":  # the hop's chunk: the marker-completing token and the evidence, nothing else
                 assert info["prompt_n"] == step.evidence_tokens + 1, info
                 assert info["cache_n"] == step.position - 1, info
+                # vLLM's own figure is still the session's first prefix-cache lookup, not what it kept
+                assert info["num_cached_tokens"] in first_lookups and info["num_cached_tokens"] < info["cache_n"]
             else:  # the prefix cache holds whole blocks: at most the partial last one is evaluated again
+                assert info["num_cached_tokens"] == info["cache_n"]
                 assert info["prompt_n"] < step.evidence_tokens + 1 + fake.block_size, info
                 assert info["cache_n"] + info["prompt_n"] == step.position + step.evidence_tokens
 
@@ -274,6 +278,25 @@ def test_engine_args_from_the_config():
                       "logits_processors": [LOGITS_PROCESSOR]}
     module, name = LOGITS_PROCESSOR.split(":")
     assert module == "rig_decode.engine.vllm_logits" and name == "RigMarkerLogitsProcessor"
+    # a vLLM that lists bitsandbytes takes the same arguments; one without it (0.33.0) refuses nf4 up front
+    with_bnb = SimpleNamespace(version="x", quantization_methods=("awq", "bitsandbytes"))
+    assert engine_args_kwargs(cfg, with_bnb) == kwargs
+    without = SimpleNamespace(version="0.33.0", quantization_methods=("awq", "gptq", "fp8"))
+    with pytest.raises(ValueError, match="nf4 loads with vLLM's bitsandbytes quantization, which vLLM 0.33.0"):
+        engine_args_kwargs(cfg, without)
+    assert "quantization" not in engine_args_kwargs(cfg.updated(model={"quantization": "none"}), without)
+
+
+def test_nf4_on_a_vllm_without_bitsandbytes_fails_before_any_thread_starts(model, tok, monkeypatch):
+    from rig_decode.engine import runner_vllm
+
+    loops, built = [], []
+    monkeypatch.setattr(runner_vllm, "EventLoopThread", lambda *a, **k: loops.append(a))
+    cfg = RigConfig.from_dict({"model": {"name": "org/m", "quantization": "nf4"}, "engine": {"backend": "vllm"}})
+    api = fake_api(model, tok.eos_token_id, built=built, quantization_methods=("awq", "fp8"))
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        vllm_runner(cfg, len(tok), api=api)
+    assert not built and not loops
 
 
 def test_the_logits_processor_needs_single_token_markers(model, tok, tok_special, monkeypatch):

@@ -1,6 +1,7 @@
 """A stand-in for vLLM's ``AsyncLLM`` over a local HF model, and stand-ins for its request types.
 
-What it honours, as vLLM's V1 engine does:
+The stand-in types have the shapes of vLLM 0.33.0's (fields, their order, keyword names). What it
+honours, as vLLM's V1 engine does:
 
 * ``generate(TokensPrompt(prompt_token_ids=...), SamplingParams, request_id)``: greedy decoding of
   ``max_tokens`` tokens, each with its top ``logprobs`` log-probabilities (log-softmax of the raw
@@ -12,11 +13,15 @@ What it honours, as vLLM's V1 engine does:
 * resumable requests: a prompt that is an async generator of ``StreamingInput`` is one session.
   Each chunk is prefilled onto the KV the session kept and decodes under the chunk's own params;
   the last sampled token of a chunk gets no KV and is dropped, so the session's tokens are exactly
-  the chunks sent. ``num_cached_tokens`` of a chunk is the tokens the session already held (its
-  first chunk: the prefix cache). Outputs at a chunk's end carry ``finish_reason`` with
-  ``finished=False``; the output stream ends once the input generator has returned.
-  Stop strings and FINAL_ONLY are refused, as vLLM refuses them for streaming input.
-* with ``logits_processors`` (classes with vLLM's V1 interface) they run on each sampled position.
+  the chunks sent. ``num_cached_tokens`` is set once, by the first chunk's prefix-cache lookup, and
+  every later output of the session repeats it; ``prompt_token_ids`` is the chunks' prompts joined.
+  Outputs at a chunk's end carry ``finish_reason`` with ``finished=False``; the output stream ends
+  once the input generator has returned. Stop strings, ``n > 1`` and FINAL_ONLY are refused, as
+  vLLM refuses them for streaming input.
+* with ``logits_processors`` (classes with vLLM's V1 interface) they see a ``BatchUpdate`` adding the
+  request when a decode starts (a chunk re-adds it with the session so far as its prompt and a new
+  output list), ``None`` at each further position while the live output list grows, and one
+  removing it when the decode ends.
 
 It records every request, the sessions it ended and how many requests were waiting to run at once.
 """
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -55,6 +60,14 @@ class SamplingParams:
     n: int = 1
     extra_args: dict | None = None
 
+    def __post_init__(self):  # the checks of vLLM's SamplingParams._verify_args that the runner could trip
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.logprobs is not None and self.logprobs != -1 and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+
 
 def TokensPrompt(**kwargs) -> dict:  # noqa: N802 - vLLM's TokensPrompt is a TypedDict
     if set(kwargs) - {"prompt_token_ids", "cache_salt"}:
@@ -82,17 +95,37 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
+    routed_experts: object = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: list | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = field(default=None, kw_only=True)
+
+
+class MoveDirectionality(enum.Enum):
+    UNIDIRECTIONAL = enum.auto()
+    SWAP = enum.auto()
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    batch_size: int
+    removed: list[int]
+    added: list[tuple]
+    """``(index, params, prompt_tok_ids, output_tok_ids)``; ``output_tok_ids`` is the live list."""
+    moved: list[tuple[int, int, MoveDirectionality]]
 
 
 @dataclass
@@ -132,7 +165,7 @@ class FakeAsyncLLM:
     # -- the AsyncLLM surface ----------------------------------------------------------------------
 
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str):
-        if inspect.isasyncgen(prompt):
+        if isinstance(prompt, AsyncGenerator):  # as AsyncLLM.add_request tells streaming input apart
             async for out in self._session(prompt, sampling_params, request_id):
                 yield out
             return
@@ -155,16 +188,17 @@ class FakeAsyncLLM:
 
     async def _session(self, inputs, params: SamplingParams, request_id: str):
         self._check_streaming(params)
-        session = None
+        session, prompt_ids, reported = None, [], 0
         self.sessions_open.add(request_id)
         try:
             async for chunk in inputs:
                 sp = chunk.sampling_params or params
                 self._check_streaming(sp)
                 new = list(chunk.prompt["prompt_token_ids"])
-                if session is None:  # the first chunk is looked up in the prefix cache
-                    cached, cache = self._prefix_hit(new)
-                    session = _Session(cache, new[:cached])
+                prompt_ids += new
+                if session is None:  # the first chunk is looked up in the prefix cache; vLLM reports that figure
+                    cached, cache = self._prefix_hit(new)  # for the whole session (its prefill stats are taken once)
+                    session, reported = _Session(cache, new[:cached]), cached
                     new = new[cached:]
                 else:
                     cached = len(session.tokens)
@@ -177,8 +211,8 @@ class FakeAsyncLLM:
                 self._remember(list(session.tokens), session.cache)
                 sent = len(chunk.prompt["prompt_token_ids"])
                 self.requests.append({"id": request_id, "kind": "chunk", "chunk_len": sent, "cached": cached,
-                                      "max_tokens": sp.max_tokens, "extra_args": sp.extra_args})
-                for out in self._outputs(request_id, list(session.tokens), tokens, logprobs, reason, cached,
+                                      "reported": reported, "max_tokens": sp.max_tokens, "extra_args": sp.extra_args})
+                for out in self._outputs(request_id, list(prompt_ids), tokens, logprobs, reason, reported,
                                          sp.output_kind, finished=False):
                     yield out
         finally:
@@ -186,9 +220,10 @@ class FakeAsyncLLM:
             self.sessions_ended.append(request_id)
 
     @staticmethod
-    def _check_streaming(sp: SamplingParams) -> None:
-        if sp.n > 1 or sp.stop or sp.output_kind is RequestOutputKind.FINAL_ONLY:
-            raise ValueError("Input streaming not currently supported for n > 1, FINAL_ONLY or with stop strings.")
+    def _check_streaming(sp: SamplingParams) -> None:  # AsyncLLM._validate_streaming_input_sampling_params
+        if not isinstance(sp, SamplingParams) or sp.n > 1 or sp.stop or sp.output_kind is RequestOutputKind.FINAL_ONLY:
+            raise ValueError("Input streaming not currently supported for pooling models, n > 1, "
+                             "request_kind = FINAL_ONLY or with stop strings.")
 
     # -- the model ----------------------------------------------------------------------------------
 
@@ -197,8 +232,9 @@ class FakeAsyncLLM:
             raise ValueError("prompt_token_ids must be a non-empty list of ints")
         if sp.temperature != 0.0:
             raise ValueError("this stand-in decodes greedily only (temperature 0)")
-        if sp.logprobs is not None and sp.logprobs > (self.engine_args.max_logprobs if self.engine_args else 20):
-            raise ValueError(f"Requested sample logprobs of {sp.logprobs}, which is greater than max allowed")
+        limit = self.engine_args.max_logprobs if self.engine_args else 20  # vLLM's ModelConfig.max_logprobs
+        if sp.logprobs and limit != -1 and sp.logprobs > limit:
+            raise ValueError(f"Requested sample logprobs of {sp.logprobs}, which is greater than max allowed: {limit}")
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than max_model_len {self.max_model_len}")
 
@@ -238,9 +274,10 @@ class FakeAsyncLLM:
         stop_ids = set(sp.stop_token_ids or ())
         output: list[int] = []
         tokens, logprobs, reason = [], [], "length"
+        self._batch_update(BatchUpdate(1, removed=[], added=[(0, sp, list(context), output)], moved=[]))
         for k in range(sp.max_tokens or 1):
             logp = torch.log_softmax(logits, -1)
-            processed = self._processed(logits.clone(), sp, context, output)
+            processed = self._processed(logits.clone())
             tok = int(processed.argmax())
             top = torch.topk(logp, sp.logprobs or 1)
             position = {int(i): Logprob(float(v), r + 1) for r, (i, v) in enumerate(zip(top.indices, top.values))}
@@ -253,35 +290,42 @@ class FakeAsyncLLM:
                 break
             if k + 1 < (sp.max_tokens or 1):
                 logits = self._forward(cache, [tok])
+                self._batch_update(None)  # same batch; the processors read the output list they were handed
+        self._batch_update(BatchUpdate(0, removed=[0], added=[], moved=[]))
         return tokens, logprobs, reason
 
-    def _processed(self, logits, sp, context, output) -> torch.Tensor:
-        if not self.logits_processors:
-            return logits
-        batch = SimpleNamespace(batch_size=1, removed=[], added=[(0, sp, list(context), output)], moved=[])
+    def _batch_update(self, update: BatchUpdate | None) -> None:
+        for lp in self.logits_processors:
+            lp.update_state(update)
+
+    def _processed(self, logits) -> torch.Tensor:
         row = logits[None]
         for lp in self.logits_processors:
-            lp.update_state(batch)
             row = lp.apply(row)
         return row[0]
 
     def _outputs(self, request_id, prompt_ids, tokens, logprobs, reason, cached, kind, finished: bool):
         """The RequestOutputs of one decode, one per token as the output processor sends them."""
+        def output(lo, hi, last):
+            o = CompletionOutput(index=0, text="", token_ids=tokens[lo:hi], cumulative_logprob=None,
+                                 logprobs=logprobs[lo:hi], finish_reason=reason if last else None,
+                                 stop_reason=tokens[-1] if last and reason == "stop" and tokens[-1] != self.eos_id
+                                 else None)
+            return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, prompt_logprobs=None,
+                                 outputs=[o], finished=finished and last, num_cached_tokens=cached)
+
         if kind is RequestOutputKind.FINAL_ONLY:
-            yield RequestOutput(request_id, prompt_ids, [CompletionOutput(0, "", tokens, None, logprobs, reason)],
-                                finished, cached)
+            yield output(0, len(tokens), True)
             return
         for k in range(len(tokens)):
-            last = k == len(tokens) - 1
-            lo = k if kind is RequestOutputKind.DELTA else 0
-            o = CompletionOutput(0, "", tokens[lo : k + 1], None, logprobs[lo : k + 1], reason if last else None,
-                                 tokens[k] if last and reason == "stop" and tokens[k] != self.eos_id else None)
-            yield RequestOutput(request_id, prompt_ids, [o], finished and last, cached)
+            yield output(k if kind is RequestOutputKind.DELTA else 0, k + 1, k == len(tokens) - 1)
 
 
-def fake_api(model, eos_id: int, *, streaming: bool = True, built: list | None = None, **engine_kwargs) -> VllmApi:
+def fake_api(model, eos_id: int, *, streaming: bool = True, built: list | None = None,
+             quantization_methods: tuple[str, ...] | None = None, **engine_kwargs) -> VllmApi:
     """A ``VllmApi`` whose ``AsyncLLM.from_engine_args`` builds a ``FakeAsyncLLM`` (appended to
-    ``built``); ``streaming=False``: a vLLM without ``StreamingInput``."""
+    ``built``); ``streaming=False``: a vLLM without ``StreamingInput``; ``quantization_methods``:
+    the ``quantization=`` names it accepts (None: unknown, as for a vLLM that does not list them)."""
 
     def from_engine_args(args: AsyncEngineArgs):
         procs = [_load(name) for name in args.logits_processors or ()]
@@ -292,7 +336,7 @@ def fake_api(model, eos_id: int, *, streaming: bool = True, built: list | None =
         return engine
 
     return VllmApi(SamplingParams, TokensPrompt, RequestOutputKind, StreamingInput if streaming else None,
-                   AsyncEngineArgs, SimpleNamespace(from_engine_args=from_engine_args), "fake")
+                   AsyncEngineArgs, SimpleNamespace(from_engine_args=from_engine_args), "fake", quantization_methods)
 
 
 def _load(fqcn: str):

@@ -20,8 +20,8 @@ Two modes (``engine.vllm.mode``; ``auto`` takes ``stream`` where vLLM has ``Stre
 Each call's prompt accounting goes into the hop's trace (``row_info``): ``mode``, ``cache_n`` tokens
 not evaluated, ``prompt_n`` tokens evaluated, and vLLM's ``num_cached_tokens`` as reported. In prefix
 mode ``cache_n`` is that figure. In stream mode ``cache_n`` is the tokens the session kept plus, on
-its first chunk, the prefix-cache hits vLLM reported (vLLM counts ``num_cached_tokens`` when a
-request is first scheduled; a session's later chunks are not prefix-cache lookups).
+its first chunk, the prefix-cache hits vLLM reported: vLLM sets ``num_cached_tokens`` once, from a
+request's first scheduled prefill, and every later output of the session repeats that figure.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ class VllmRunner(RemoteRunner):
         return completion, info
 
     def _predictions(self, ids: list[int], logprobs: list) -> list[Prediction]:
-        """vLLM's ``logprobs``: per position, a mapping token id -> ``Logprob`` (or a float)."""
+        """vLLM's ``logprobs``: per position, a mapping token id -> ``Logprob`` (or a float); the top
+        ``logprobs`` plus the sampled token. A ``FlatLogprobs`` (``flat_logprobs=True``) iterates the same."""
         if len(logprobs) < len(ids):
             raise VllmError("vLLM returned tokens without logprobs: is SamplingParams.logprobs honoured?")
         preds = []
@@ -284,10 +285,11 @@ def vllm_runner(cfg, tokenizer_len: int, *, tokenizer=None, api: VllmApi | None 
                                            cfg.rig.max_iterations, cfg.rig.max_query_tokens)
         # the processor implements the V1 model runner's interface; the V2 runner rejects it
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    loop = EventLoopThread()
     owns = engine is None
+    # built before the loop thread starts: a config this vLLM cannot serve leaves no thread behind
+    args = api.AsyncEngineArgs(**engine_args_kwargs(cfg, api)) if owns else None
+    loop = EventLoopThread()
     if owns:
-        args = api.AsyncEngineArgs(**engine_args_kwargs(cfg))
 
         async def start():  # on the loop thread: AsyncLLM binds its output handler to the running loop
             return api.AsyncLLM.from_engine_args(args)

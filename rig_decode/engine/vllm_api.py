@@ -5,8 +5,10 @@ Everything vLLM-specific that the runner constructs goes through a ``VllmApi``: 
 (``AsyncEngineArgs``, ``AsyncLLM``). ``load_vllm_api`` imports them; tests build one from stand-ins.
 
 ``StreamingInput`` (resumable requests) moved between releases: ``vllm.inputs``,
-``vllm.engine.protocol`` and ``vllm.v1.engine.async_llm`` are tried in turn; None where the
-release has none (the runner then uses new requests and the prefix cache).
+``vllm.engine.protocol`` (where 0.33.0 defines it) and ``vllm.v1.engine.async_llm`` are tried in
+turn; None where the release has none (the runner then uses new requests and the prefix cache).
+Quantization methods differ between releases too: 0.33.0 has no ``bitsandbytes``, so
+``model.quantization: nf4`` is refused up front there rather than deep inside engine start-up.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class VllmApi:
     AsyncEngineArgs: Any = None
     AsyncLLM: Any = None
     version: str = "unknown"
+    quantization_methods: tuple[str, ...] | None = None
+    """The ``quantization=`` names this vLLM accepts; None where unknown."""
 
 
 def _first(candidates: list[tuple[str, str]]):
@@ -59,11 +63,12 @@ def load_vllm_api() -> VllmApi:
     async_llm = _first([("vllm.v1.engine.async_llm", "AsyncLLM"), ("vllm.engine.async_llm_engine", "AsyncLLMEngine")])
     streaming = _first([("vllm.inputs", "StreamingInput"), ("vllm.engine.protocol", "StreamingInput"),
                         ("vllm.v1.engine.async_llm", "StreamingInput")])
+    quant = _first([("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS")])
     if engine_args is None or async_llm is None:
         raise VllmMissingError(f"vLLM {vllm.__version__} has no AsyncEngineArgs / AsyncLLM where this backend "
                                "looks for them (vllm.engine.arg_utils, vllm.v1.engine.async_llm)")
     return VllmApi(SamplingParams, TokensPrompt, RequestOutputKind, streaming, engine_args, async_llm,
-                   getattr(vllm, "__version__", "unknown"))
+                   getattr(vllm, "__version__", "unknown"), None if quant is None else tuple(quant))
 
 
 def resolve_mode(mode: str, api: VllmApi) -> str:
@@ -78,8 +83,9 @@ def resolve_mode(mode: str, api: VllmApi) -> str:
     return mode
 
 
-def engine_args_kwargs(cfg) -> dict:
-    """``AsyncEngineArgs`` keyword arguments for a ``RigConfig`` (its ``model`` and ``engine.vllm``)."""
+def engine_args_kwargs(cfg, api: VllmApi | None = None) -> dict:
+    """``AsyncEngineArgs`` keyword arguments for a ``RigConfig`` (its ``model`` and ``engine.vllm``).
+    ``api``: the vLLM they are for; ValueError where it lacks the quantization ``model`` asks for."""
     from ..models.loader import resolve_source
 
     model = cfg.served_model()
@@ -94,6 +100,10 @@ def engine_args_kwargs(cfg) -> dict:
                   max_logprobs=max(20, v.top_logprobs))
     if model.quantization == "nf4":
         kwargs["quantization"] = "bitsandbytes"
+        if api is not None and api.quantization_methods is not None and "bitsandbytes" not in api.quantization_methods:
+            raise ValueError(f"model.quantization: nf4 loads with vLLM's bitsandbytes quantization, which vLLM "
+                             f"{api.version} does not have; serve a pre-quantized checkpoint (AWQ, GPTQ, ...: "
+                             "vLLM reads it from config.json) with model.quantization: none, or use a vLLM that has it")
     if v.logits_processor:
         kwargs["logits_processors"] = [LOGITS_PROCESSOR]
     return kwargs

@@ -15,7 +15,9 @@ output folded into its prompt and its output ids cleared.
 ``MarkerLogitsState`` holds the whole logic and needs no vLLM; ``RigMarkerLogitsProcessor``, the
 class vLLM loads, is a thin subclass of vLLM's ``LogitsProcessor`` defined only where vLLM imports.
 It implements the V1 model runner's interface (``VLLM_USE_V2_MODEL_RUNNER=0`` on releases whose
-default runner takes the V2 interface; ``runner_vllm.vllm_runner`` sets it).
+default runner takes the V2 interface, 0.33.0 among them: its V2 runner refuses a class that is
+not a ``vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor``; ``runner_vllm.vllm_runner``
+sets it).
 """
 
 from __future__ import annotations
