@@ -1,11 +1,19 @@
-"""Decode-step cost: the runner's KV buffers vs a plain DynamicCache, by batch and context.
+"""Decode-step cost by batch and context: KV buffers vs DynamicCache, packed vs plain CPU GEMMs.
 
-A plain ``DynamicCache`` concatenates every layer's keys and values on every step (a copy of the
-whole cache); ``BufferedLayer`` writes the new column in place. Same model, same inputs, both
-orders interleaved; the median of ``--steps`` decode steps after a prefill of ``T`` tokens per row.
-Also checks that both give identical logits.
+Three set-ups of the default model, measured interleaved on the same inputs:
 
-    python bench/decode_step.py [--batches 1,8,16] [--contexts 300,1000] [--steps 10]
+* ``dynamic``: a plain ``DynamicCache`` (concatenates every layer's keys and values each step,
+  a copy of the whole cache) and plain ``F.linear``;
+* ``buffered``: the runner's ``BufferedLayer`` cache (writes the new column in place), plain GEMMs;
+* ``packed``: buffered cache and linear weights pre-packed for oneDNN (``model.cpu_gemm: packed``,
+  the CPU default; ``rig_decode.models.cpu_gemm``).
+
+Per set-up: the median of ``--steps`` decode steps after a prefill of ``T`` tokens per row, and
+``tok/s x`` - tokens per second relative to batch 1 of the same set-up at the same context (the
+batching gain a serving engine can get from decode alone). Checks that dynamic and buffered give
+identical logits and that packed picks the same greedy tokens.
+
+    python bench/decode_step.py [--batches 1,8,16] [--contexts 300,1000] [--steps 10] [--repeats 2]
 
 Prints a table, then one JSON line.
 """
@@ -25,9 +33,11 @@ from rig_decode.config import ModelConfig
 from rig_decode.engine.runner_hf import new_cache
 from rig_decode.models.loader import load_model
 
+SETUPS = ("dynamic", "buffered", "packed")
+
 
 @torch.no_grad()
-def measure(model, batch: int, context: int, steps: int, buffered: bool) -> tuple[float, torch.Tensor]:
+def measure(model, batch: int, context: int, steps: int, buffered: bool) -> tuple[list[float], torch.Tensor]:
     cache = new_cache(model.config) if buffered else DynamicCache(config=model.config)
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen)
@@ -40,7 +50,7 @@ def measure(model, batch: int, context: int, steps: int, buffered: bool) -> tupl
                     use_cache=True, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
         logits.append(out.logits)
-    return statistics.median(times) * 1e3, torch.cat(logits)
+    return times, torch.cat(logits)
 
 
 def main(argv=None) -> int:
@@ -48,19 +58,38 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--contexts", default="300,1000")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds over the three set-ups")
     args = ap.parse_args(argv)
-    model, _ = load_model(ModelConfig())
+    plain, _ = load_model(ModelConfig(device="cpu", cpu_gemm="torch"))
+    packed, _ = load_model(ModelConfig(device="cpu", cpu_gemm="packed"))
+    models = {"dynamic": (plain, False), "buffered": (plain, True), "packed": (packed, True)}
+    batches = [int(x) for x in args.batches.split(",")]
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
-        for t in (int(x) for x in args.contexts.split(",")):
-            plain_ms, plain = measure(model, b, t, args.steps, buffered=False)
-            buf_ms, buf = measure(model, b, t, args.steps, buffered=True)
-            rows.append({"batch": b, "context": t, "dynamic_ms": round(plain_ms, 1), "buffered_ms": round(buf_ms, 1),
-                         "speedup": round(plain_ms / buf_ms, 2), "identical": bool(torch.equal(plain, buf))})
-    print(f"{'batch':>5} {'context':>7} {'DynamicCache ms':>15} {'buffered ms':>11} {'speedup':>7} {'identical':>9}")
+    for t in (int(x) for x in args.contexts.split(",")):
+        for b in batches:
+            times = {s: [] for s in SETUPS}
+            logits = {}
+            for _ in range(args.repeats):
+                for s in SETUPS:
+                    model, buffered = models[s]
+                    ts, logits[s] = measure(model, b, t, args.steps, buffered)
+                    times[s] += ts
+            row = {"batch": b, "context": t, **{f"{s}_ms": round(statistics.median(times[s]) * 1e3, 1) for s in SETUPS},
+                   "identical_cache": bool(torch.equal(logits["dynamic"], logits["buffered"])),
+                   "same_argmax_packed": bool(torch.equal(logits["buffered"].argmax(-1), logits["packed"].argmax(-1)))}
+            rows.append(row)
+        base = next(r for r in rows if r["context"] == t and r["batch"] == batches[0])
+        for r in rows:
+            if r["context"] == t:
+                for s in SETUPS:
+                    r[f"{s}_tok_s_x"] = round(r["batch"] / batches[0] * base[f"{s}_ms"] / r[f"{s}_ms"], 2)
+    print(f"{'batch':>5} {'context':>7} {'dynamic ms':>10} {'buffered ms':>11} {'packed ms':>9} "
+          f"{'packed vs buffered':>18} {'tok/s x buffered':>16} {'tok/s x packed':>14} {'same tokens':>11}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['context']:>7} {r['dynamic_ms']:>15.1f} {r['buffered_ms']:>11.1f} "
-              f"{r['speedup']:>6.2f}x {str(r['identical']):>9}")
+        same = r["identical_cache"] and r["same_argmax_packed"]
+        print(f"{r['batch']:>5} {r['context']:>7} {r['dynamic_ms']:>10.1f} {r['buffered_ms']:>11.1f} "
+              f"{r['packed_ms']:>9.1f} {r['buffered_ms'] / r['packed_ms']:>17.2f}x {r['buffered_tok_s_x']:>15.2f}x "
+              f"{r['packed_tok_s_x']:>13.2f}x {str(same):>11}")
     print(json.dumps({"bench": "decode_step", "rows": rows}))
     return 0
 

@@ -29,6 +29,10 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "nf4"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_gemm: Literal["auto", "packed", "torch"] = "auto"
+    """fp32 on CPU: ``packed`` keeps linear weights pre-packed for oneDNN (faster decode at any batch,
+    batch invariant; inference only), ``torch`` plain ``F.linear`` (training), ``auto`` packed where
+    this torch build supports it. See ``rig_decode.models.cpu_gemm``."""
     adapter: str | None = "auto"
     """A LoRA marker adapter folder; ``auto``: the one shipped for an embedded model (none for other
     models); null: none (prompt-only). See ``rig_decode.adapters``."""

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                       top_layers=args.top_layers,
                       special_markers=variant == "special")
     torch.manual_seed(cfg.seed)
-    model, tok = load_model(ModelConfig(name=args.model, dtype="float32"))
+    model, tok = load_model(ModelConfig(name=args.model, dtype="float32", cpu_gemm="torch"))
     added: list[int] = []
     if cfg.special_markers:
         added = add_marker_tokens(model, tok, MarkerSpec.special_token())

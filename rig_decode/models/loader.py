@@ -14,6 +14,7 @@ import torch
 
 from ..adapters import adapter_settings, resolve_adapter
 from ..config import ModelConfig
+from .cpu_gemm import pack_linears, packing_available
 from .embedded import EMBEDDED_MODELS, pull
 
 
@@ -101,7 +102,8 @@ def load_model(cfg: ModelConfig):
     """(model, tokenizer) for a ``model:`` config section. A LoRA ``adapter`` (a folder written by
     ``scripts/train_markers.py``) is merged into the weights, so decoding costs nothing extra; when
     it carries a tokenizer with added marker tokens, that tokenizer is used and the embeddings are
-    resized to it first."""
+    resized to it first. On CPU in fp32 the linear layers are then packed for oneDNN
+    (``model.cpu_gemm``), which makes the model inference-only."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(cfg.device)
@@ -130,4 +132,9 @@ def load_model(cfg: ModelConfig):
         if cfg.quantization == "none":
             model = model.merge_and_unload()
     model.eval()
+    if cfg.cpu_gemm != "torch" and device.type == "cpu" and dtype == torch.float32 and cfg.quantization == "none":
+        if packing_available():
+            pack_linears(model)
+        elif cfg.cpu_gemm == "packed":
+            raise ModelLoadError("model.cpu_gemm is 'packed' but this torch build has no oneDNN linear packing")
     return model, tokenizer
