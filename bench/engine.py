@@ -1,9 +1,11 @@
 """Serving throughput: continuous batching with retrieval off the decode path.
 
 A mixed workload of ``--requests`` questions over the demo knowledge base: request i is made to
-hop i % 4 times (0 to 3), its markers placed at fixed steps; the decoding around them is the
-model's own, greedy (it may add hops of its own), and a row computes the same tokens in any batch,
-so every concurrency level does exactly the same work. All requests are queued at once; the
+hop i % 4 times (0 to 3), its markers placed at fixed steps shifted by a per-request offset (rows
+pause at different steps, as independent requests do) and no others (the model's own marker
+openings and its end of text are masked: every request writes exactly ``--max-new-tokens``); the
+rest is the model's own greedy decoding, and a row computes the same tokens in any batch, so every
+concurrency level does exactly the same work. All requests are queued at once; the
 engine keeps at most ``concurrency`` of them in the batch. Retrieval is the real hybrid search over
 the demo index, plus ``--retrieval-latency-ms`` of simulated network time (a remote index or
 reranker), once per search call.
@@ -29,6 +31,7 @@ import numpy as np
 
 from rig_decode.config import ModelConfig, RetrieverConfig
 from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.gate import opening_ids
 from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import build_prompt
@@ -39,19 +42,27 @@ QUERIES = ["error E1234 fixed in release", "release 4.2.1 approved by", "Priya R
 HOP_STEPS = (2, 26, 50)
 
 
+def hop_step(seq_id: int, hop: int) -> int:
+    """The step at which request ``seq_id`` starts writing its ``hop``-th marker."""
+    return HOP_STEPS[hop] + (seq_id * 5) % 16
+
+
 class ForcedHops:
-    """Writes request i's markers (i % 4 of them) at fixed steps; everything else is the model's."""
+    """Writes request i's markers (i % 4 of them) at fixed steps and no other markers, and keeps
+    every request going to its token limit; everything else is the model's."""
 
     def __init__(self, vocab: MarkerVocab, hops: dict[int, int], stop_ids: list[int]):
         self.hops, self.stop_ids = hops, stop_ids
         self.ids = [vocab.marker_token_ids(q) for q in QUERIES]
+        self.opening = opening_ids(vocab)
 
     def apply(self, rows, scores):
         for i, seq in enumerate(rows):
-            if seq.trace.num_hops < self.hops.get(seq.seq_id, 0):
-                scores[i, self.stop_ids] = float("-inf")  # no early stop before its hops are done
+            scores[i, self.stop_ids] = float("-inf")
+            if not seq.matcher.is_open:
+                scores[i, self.opening] = float("-inf")  # unscripted markers; the scripted ones are forced below
             for h in range(self.hops.get(seq.seq_id, 0)):
-                k = seq.num_generated - HOP_STEPS[h]
+                k = seq.num_generated - hop_step(seq.seq_id, h)
                 if 0 <= k < len(self.ids[h]):
                     scores[i].fill_(float("-inf"))
                     scores[i, self.ids[h][k]] = 0.0
@@ -86,8 +97,8 @@ def run(model, tok, retriever, n_requests: int, concurrency: int, max_new: int, 
     engine.close()
     lat = [s.trace.total_ms for s in seqs]
     tokens = sum(s.trace.generated_tokens for s in seqs)
-    # the model may add hops of its own; the scripted ones must all have happened
-    assert all(s.trace.num_hops >= hops[s.seq_id] for s in seqs), "a scripted hop did not happen"
+    assert all(s.trace.num_hops == hops[s.seq_id] for s in seqs), "a request hopped more or less than scripted"
+    assert tokens == n_requests * max_new, "a request stopped before its token limit"
     return {"concurrency": concurrency, "sync_retrieval": sync, "requests": n_requests, "tokens": tokens,
             "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2),
             "p50_ms": round(statistics.median(lat)), "p95_ms": round(float(np.percentile(lat, 95))),
@@ -114,10 +125,10 @@ def main(argv=None) -> int:
     print(f"{args.requests} requests, {args.max_new_tokens} tokens each, 0-3 hops, "
           f"+{args.retrieval_latency_ms:g} ms per search call")
     print(f"{'concurrency':>11} {'retrieval':>10} {'tokens/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
-          f"{'parked ms':>10} {'wall s':>7} {'steps':>6}")
+          f"{'parked ms':>10} {'wall s':>7} {'steps':>6} {'hops':>5}")
     for r in rows:
         print(f"{r['concurrency']:>11} {'sync' if r['sync_retrieval'] else 'async':>10} {r['tokens_per_s']:>9.1f} "
-              f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['mean_parked_ms']:>10.1f} {r['wall_s']:>7.1f} {r['steps']:>6}")
+              f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['mean_parked_ms']:>10.1f} {r['wall_s']:>7.1f} {r['steps']:>6} {r['hops']:>5}")
     base = next((r for r in rows if r["concurrency"] == 1 and not r["sync_retrieval"]), None)
     at8 = next((r for r in rows if r["concurrency"] == args.sync_at and not r["sync_retrieval"]), None)
     sync = rows[-1]
