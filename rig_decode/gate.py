@@ -7,7 +7,10 @@ sub-scores, each in [0, 1]:
     marker_prob   probability mass the model puts on opening a marker
     entropy       next-token entropy / ``entropy_scale`` nats (capped at 1): how unsure it is
     need          1 - coverage: the share of the question's key terms (names, numbers, longer
-                  words) that the evidence already in context does *not* contain
+                  words) that the evidence already in context does *not* cover; a name is
+                  covered by a document about it (its title), not by a mention in passing. Where
+                  the retriever can tell (``knows``: a lexical index), only terms the knowledge
+                  base holds count: the rest cannot be looked up
     domain        the highest sensitivity among config rules whose pattern matches the question
                   (time-sensitive or high-stakes topics: always look up)
 
@@ -23,6 +26,7 @@ sub-scores and reasons.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -82,21 +86,40 @@ def opening_ids(vocab: MarkerVocab) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def coverage(question: str, evidence: str) -> float:
-    """Share of the question's key terms found in the evidence (1.0 when it has none: nothing to
-    look up)."""
-    terms = key_terms(question)
+def lookup_terms(question: str, knows: Callable[[str], bool | None] | None = None) -> list[str]:
+    """The question's key terms that a search could find: with ``knows`` (the retriever's
+    vocabulary check), those the knowledge base holds - "thanks, that helps" has a key word, but
+    nothing in the knowledge base to look up."""
+    return [t for t in key_terms(question) if knows is None or knows(t) is not False]
+
+
+def coverage(question: str, docs: Iterable[tuple[str | None, str]],
+             knows: Callable[[str], bool | None] | None = None) -> float:
+    """Share of the question's ``lookup_terms`` that the evidence in context, ``(title, text)``
+    pairs, covers (1.0 when it has none: nothing to look up). A name (capitalised, or holding a
+    digit) is covered by a document *about* it, one whose title names it (a document without a
+    title: its text); a mention in passing does not count - a company's page names its founder but
+    says nothing of where the founder was born. Other key words are covered by any document's text."""
+    terms = lookup_terms(question, knows)
     if not terms:
         return 1.0
-    text = evidence.lower()
-    return sum(t.lower() in text for t in terms) / len(terms)
+    docs = list(docs)
+    about = " ".join((title or text) for title, text in docs).lower()
+    anywhere = " ".join(f"{title or ''} {text}" for title, text in docs).lower()
+    covered = sum(t.lower() in (about if _is_name(t) else anywhere) for t in terms)
+    return covered / len(terms)
+
+
+def _is_name(term: str) -> bool:
+    return term[0].isupper() or any(c.isdigit() for c in term)
 
 
 class GateProcessor:
     """Engine logits processor: gates marker openings (veto / allow) and optionally boosts them."""
 
-    def __init__(self, vocab: MarkerVocab, settings: GateSettings = GateSettings(), max_iterations: int | None = None):
-        self.vocab, self.s, self.max_iterations = vocab, settings, max_iterations
+    def __init__(self, vocab: MarkerVocab, settings: GateSettings = GateSettings(), max_iterations: int | None = None,
+                 knows: Callable[[str], bool | None] | None = None):
+        self.vocab, self.s, self.max_iterations, self.knows = vocab, settings, max_iterations, knows
         self.opening = opening_ids(vocab)
         self.rules = [(re.compile(r.pattern, re.I), r.sensitivity) for r in settings.rules]
         self.weights = dict(settings.weights)
@@ -106,10 +129,10 @@ class GateProcessor:
         marker_prob = float(probs[self.opening].sum())
         entropy = float(-(probs * logprobs).nan_to_num().sum())
         question = row.trace.question
-        evidence = " ".join(f"{d.title or ''} {d.text}" for d in trace_docs(row.trace))
+        evidence = [(d.title, d.text) for d in trace_docs(row.trace)]
         domain = max((s for rx, s in self.rules if rx.search(question)), default=0.0)
         return {"marker_prob": round(marker_prob, 4), "entropy": round(min(1.0, entropy / self.s.entropy_scale), 4),
-                "need": round(1.0 - coverage(question, evidence), 4), "domain": round(domain, 4)}
+                "need": round(1.0 - coverage(question, evidence, self.knows), 4), "domain": round(domain, 4)}
 
     def score(self, sub: dict[str, float]) -> float:
         total = sum(self.weights.get(k, 0.0) for k in sub)
@@ -144,7 +167,10 @@ class GateProcessor:
             else:
                 action, reasons = "allow", [f"score {score:.3f} >= threshold {self.s.threshold:g}"]
             if sub["need"] == 0.0:
-                reasons.append("the evidence in context already covers the question's key terms")
+                if key_terms(row.trace.question) and not lookup_terms(row.trace.question, self.knows):
+                    reasons.append("none of the question's key terms occurs in the knowledge base")
+                else:
+                    reasons.append("the evidence in context already covers the question's key terms")
             if boosted:
                 reasons.append("after the boost")
             if action == "veto":

@@ -41,9 +41,20 @@ def test_opening_tokens(tok, tok_special):
 
 
 def test_coverage_of_key_terms():
-    assert coverage(CHAT_Q, "") == 1.0  # nothing to look up
-    assert coverage(ENTITY_Q, "") == 0.0
-    assert coverage(ENTITY_Q, "Helios Gateway release 4.2 fixed error E1234") == 1.0
+    assert coverage(CHAT_Q, []) == 1.0  # nothing to look up
+    assert coverage(ENTITY_Q, []) == 0.0
+    assert coverage(ENTITY_Q, [(None, "Helios Gateway release 4.2 fixed error E1234")]) == 1.0
+    # names need a document about them: release notes titled "Helios Gateway 4.2" cover Helios and
+    # Gateway (title) and release, fixed, error (text), but only mention E1234
+    assert coverage(ENTITY_Q, [("Helios Gateway 4.2", "This release fixed error E1234.")]) == 5 / 6
+
+
+def test_a_name_mentioned_in_passing_is_not_covered():
+    company = ("Bretrouven Labs", "Bretrouven Labs was founded by Nubil Satrail. It is headquartered in Soutrar.")
+    assert coverage("Where was Nubil Satrail born?", [company]) == 0.0
+    assert coverage("Who founded Bretrouven Labs?", [company]) == 1.0
+    person = ("Nubil Satrail", "Nubil Satrail was born in Soutrar.")
+    assert coverage("Where was Nubil Satrail born?", [company, person]) == 1.0
 
 
 def test_veto_chit_chat_allow_a_lookup(engine):
@@ -57,6 +68,24 @@ def test_veto_chit_chat_allow_a_lookup(engine):
     assert not torch.isinf(s[0, opening]).any() and lookup.trace.gate[-1]["action"] == "allow"
     d = lookup.trace.gate[-1]
     assert set(d["subscores"]) == {"marker_prob", "entropy", "need", "domain"} and d["reasons"]
+
+
+def test_terms_the_knowledge_base_lacks_cannot_be_looked_up(engine):
+    from rig_decode.retrieval.lexical import LexicalSearcher
+
+    kb = LexicalSearcher(["Helios Gateway release 4.2 fixed error E1234.", "Bretrouven Labs was founded by Nubil Satrail."])
+    assert kb.knows("E1234") and kb.knows("Helios Gateway") and kb.knows("satrail")
+    assert not kb.knows("helpful") and not kb.knows("Helios Toaster") and not kb.knows("")
+    thanks = "You're very helpful."
+    assert coverage(thanks, []) == 0.0  # "helpful" is a key word ...
+    assert coverage(thanks, [], kb.knows) == 1.0  # ... that no search could find
+    assert coverage(ENTITY_Q, [], kb.knows) == 0.0
+    gate = GateProcessor(engine.vocab, GateSettings(), knows=kb.knows)
+    chat, lookup = _row(engine, thanks), _row(engine, ENTITY_Q)
+    s = gate.apply([chat, lookup], _logits(len(engine.vocab), gate.opening, 0.9).repeat(2, 1))
+    assert torch.isinf(s[0, gate.opening]).all() and not torch.isinf(s[1, gate.opening]).any()
+    assert chat.trace.gate[-1]["reasons"][-1] == "none of the question's key terms occurs in the knowledge base"
+    assert lookup.trace.gate[-1]["action"] == "allow"
 
 
 def test_threshold_boundary_and_consider(engine):

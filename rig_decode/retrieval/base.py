@@ -43,5 +43,7 @@ class Retriever(Protocol):
         self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None
     ) -> list[list[Hit]]:
         """One list of hits per query, best first (a ``HitList`` may carry per-query decisions).
-        Called once per scheduler step for every sequence that is waiting on evidence."""
+        Called once per scheduler step for every sequence that is waiting on evidence. A retriever
+        may also offer ``knows(term) -> bool | None``: whether the knowledge base holds a term (the
+        retrieval gate counts only terms a search could find)."""
         ...

@@ -62,6 +62,10 @@ class IndexRetriever:
     def docs(self):
         return self.store.chunks
 
+    def knows(self, term: str) -> bool | None:
+        """Whether ``term`` occurs in the indexed text (None without a lexical index: unknown)."""
+        return None if self.lexical is None else self.lexical.knows(term)
+
     def search_batch(self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None
                      ) -> list[HitList]:
         if not queries:

@@ -19,6 +19,11 @@ class LexicalSearcher:
         self.bm25.index(corpus, show_progress=False)
         self.ntotal = len(texts)
 
+    def knows(self, term: str) -> bool:
+        """Whether the corpus contains every lexical token of ``term`` (False for no tokens)."""
+        tokens = tokenize(term)
+        return bool(tokens) and all(t in self.bm25.vocab_dict for t in tokens)
+
     def search(self, queries: list[str], k: int, mask: np.ndarray | None = None
                ) -> list[list[tuple[int, float]]]:
         """Per query, up to ``k`` (row, BM25 score) pairs with a positive score, best first."""

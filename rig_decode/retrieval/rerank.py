@@ -70,6 +70,10 @@ class RerankingRetriever:
     def docs(self):
         return getattr(self.base, "docs", [])
 
+    def knows(self, term: str) -> bool | None:
+        knows = getattr(self.base, "knows", None)
+        return None if knows is None else knows(term)
+
     def search_batch(self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None) -> list[HitList]:
         results = self.base.search_batch(queries, max(top_k, self.candidates), filters)
         out = []
