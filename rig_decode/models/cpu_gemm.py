@@ -1,15 +1,16 @@
 """Pre-packed linear layers for fp32 inference on CPU.
 
 A decode step is a stack of skinny GEMMs: one row per sequence times a weight matrix. On CPU,
-``F.linear`` hands them to MKL's sgemm, whose small-M path is poor: a 576x49152 head costs ~3x
-more for 8 rows than for 1, although the weights (read once) dominate either way. oneDNN's inner
-product over a weight pre-packed into its blocked layout costs ~1.5x for 8 rows than for 1 and is
+``F.linear`` hands them to MKL's sgemm, whose small-M path is poor: a 576x49152 head costs 2.5-3x
+as much for 8 rows as for 1, although the weights (read once) dominate either way. oneDNN's inner
+product over a weight pre-packed into its blocked layout costs ~1.5x as much for 8 rows as for 1 and is
 faster at any M (``bench/decode_step.py`` measures both side by side). It is also batch invariant:
 a row's output does not depend on which other rows share the call - the property continuous
 batching needs for a request to decode the same tokens alone or in a crowd.
 
-The packed weight is an opaque oneDNN tensor with no autograd, so packing is for inference only:
-``load_model`` packs (``model.cpu_gemm``), training loads with ``cpu_gemm: torch``.
+The packed weight is an opaque oneDNN tensor with no autograd and no place in the state dict, so
+packing is for inference only: ``load_model`` packs (``model.cpu_gemm``); training, or saving the
+weights, loads with ``cpu_gemm: torch``.
 """
 
 from __future__ import annotations
