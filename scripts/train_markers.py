@@ -19,8 +19,7 @@ import torch
 
 from rig_decode.config import ModelConfig
 from rig_decode.markers import MarkerSpec
-from rig_decode.models.loader import load_model
-from rig_decode.train.lora import TrainConfig, add_marker_tokens, save, train, wrap_lora
+from rig_decode.train.lora import TrainConfig, add_marker_tokens, load_base, save, train, wrap_lora
 
 CARD = """# Marker adapter for {model}
 
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
                       top_layers=args.top_layers,
                       special_markers=variant == "special")
     torch.manual_seed(cfg.seed)
-    model, tok = load_model(ModelConfig(name=args.model, dtype="float32", cpu_gemm="torch"))
+    model, tok = load_base(args.model)
     added: list[int] = []
     if cfg.special_markers:
         added = add_marker_tokens(model, tok, MarkerSpec.special_token())

@@ -154,3 +154,21 @@ def test_forward_loss_is_the_masked_loss_and_top_layers_stop_backprop():
 def _rec(q) -> dict:
     return {"id": q.id, "question": q.question, "answer": q.answer, "hops": q.hops, "template": q.template,
             "supporting_docs": q.supporting_docs, "needs_retrieval": q.needs_retrieval, "entities": q.entities}
+
+
+def test_training_starts_from_the_bare_model_not_the_shipped_adapter():
+    """``model.adapter: auto`` merges the shipped marker adapter into the embedded model; a new
+    adapter trained on top of that would later be applied to the bare model. ``load_base`` loads
+    the bare weights, trainable."""
+    from rig_decode.config import ModelConfig
+    from rig_decode.models.loader import load_model
+    from rig_decode.train.lora import load_base
+
+    base, base_tok = load_base("smollm2-135m-instruct")
+    bare, bare_tok = load_model(ModelConfig(name="smollm2-135m-instruct", adapter=None, cpu_gemm="torch", device="cpu"))
+    shipped, _ = load_model(ModelConfig(name="smollm2-135m-instruct", cpu_gemm="torch", device="cpu"))
+    assert len(base_tok) == len(bare_tok) < len(shipped.get_input_embeddings().weight)
+    q = "model.layers.29.self_attn.q_proj.weight"
+    weights = {n: dict(m.named_parameters())[q] for n, m in (("base", base), ("bare", bare), ("shipped", shipped))}
+    assert torch.equal(weights["base"], weights["bare"]) and not torch.equal(weights["base"], weights["shipped"])
+    assert type(base.model.layers[29].self_attn.q_proj) is torch.nn.Linear  # plain, trainable (not packed)

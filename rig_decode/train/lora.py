@@ -61,6 +61,16 @@ class TrainResult:
     trainable_params: int = 0
 
 
+def load_base(name: str):
+    """(model, tokenizer) to train: the bare model in fp32 with plain, trainable linears - never
+    with the marker adapter ``model.adapter: auto`` would merge for an embedded model, which would
+    train a new adapter on top of the shipped one while it is later applied to the bare model."""
+    from ..config import ModelConfig
+    from ..models.loader import load_model
+
+    return load_model(ModelConfig(name=name, dtype="float32", cpu_gemm="torch", adapter=None))
+
+
 def add_marker_tokens(model, tokenizer, spec: MarkerSpec) -> list[int]:
     """Make the special-token style's delimiters single tokens; their new embedding rows start at
     the mean of the rows of the text they replace. Returns the new ids."""
