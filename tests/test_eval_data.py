@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 from rig_decode.eval.datasets import DatasetError, load_dataset
-from rig_decode.eval.synth import generate, write
+from rig_decode.eval.synth import CONVERSATION_KINDS, generate, write
 
 
 def test_jsonl_dataset_and_sibling_corpus(tmp_path):
@@ -93,3 +93,19 @@ def test_synthetic_is_seeded_and_has_distractors(tmp_path):
     assert max(brands.values()) >= 2  # product families: same brand, model numbers one digit apart
     default = generate(seed=0)[1]
     assert len(default["test"]) >= 300
+
+
+def test_synthetic_conversations_answers_lie_in_their_documents():
+    chats: dict = {}
+    corpus, _ = generate(seed=3, scale=0.4, conversations=chats)
+    docs = {d["id"]: d for d in corpus}
+    for conv in chats["test"]:
+        kinds = [t["kind"] for t in conv["turns"]]
+        assert kinds == list(CONVERSATION_KINDS)
+        lookup, clarify, detail, follow, _ = conv["turns"]
+        assert clarify["answers"] == lookup["answers"] and not clarify["needs_retrieval"]
+        # the detail is answered by the very document the lookup needed; the follow-up needs a new one
+        assert detail["supporting_docs"] == lookup["supporting_docs"] != follow["supporting_docs"]
+        for t in (lookup, detail, follow):
+            assert t["needs_retrieval"] and t["answers"][0] in docs[t["supporting_docs"][0]]["text"]
+        assert lookup["answers"][0] in docs[follow["supporting_docs"][0]]["title"]

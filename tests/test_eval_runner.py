@@ -125,3 +125,32 @@ def test_cache_variants_are_compared_with_rig(tok, tmp_path):
     zp = [st["info"]["zero_prefill"] for r in results[keys[2]]["records"] for st in r["trace"]["retrieval_steps"]]
     assert zp and all(z["reused_tokens"] > 0 for z in zp)
     assert "rig-summary@2 vs rig" in (tmp_path / "report.md").read_text()
+
+
+def test_redundant_retrieval_counts_turns_whose_documents_were_at_hand():
+    """A search is redundant on a turn that needs no document or only ones an earlier turn of the
+    same conversation retrieved; not when the earlier search missed the document."""
+    from rig_decode.eval.conversations import aggregate, redundant_turns
+
+    def rec(conv, turn, kind, need, docs, searched, found=()):
+        steps = [{"docs": [{"id": d} for d in found], "info": {}}] if searched else []
+        return {"conversation": conv, "turn": turn, "kind": kind, "needs_retrieval": need, "supporting_docs": docs,
+                "searches": int(searched), "reused": 0, "accuracy": 1.0 if need is not None else None,
+                "citations": 0, "citations_valid": 0, "citations_supported": 0,
+                "trace": {"retrieval_steps": steps}}
+
+    records = [  # conversation a: the lookup found d1, so the detail's search is redundant
+        rec("a", 0, "lookup", True, ["d1"], True, found=["d1", "d9"]),
+        rec("a", 1, "clarification", False, ["d1"], False),
+        rec("a", 2, "detail", True, ["d1"], True, found=["d1"]),
+        rec("a", 3, "follow_up", True, ["d2"], True, found=["d2"]),
+        # conversation b: the lookup missed d1, so searching for the detail is needed
+        rec("b", 0, "lookup", True, ["d1"], True, found=["d7"]),
+        rec("b", 2, "detail", True, ["d1"], True, found=["d1"]),
+        rec("b", 1, "clarification", False, ["d1"], True, found=["d7"]),  # out of order on purpose
+    ]
+    assert [(r["conversation"], r["turn"]) for r in redundant_turns(records)] == [("a", 1), ("a", 2), ("b", 1)]
+    summary = aggregate(records)
+    assert summary["redundant_retrieval_rate"] == 2 / 3
+    assert summary["detail_retrieval_rate"] == 1.0 and summary["clarification_retrieval_rate"] == 0.5
+    assert summary["searches_per_conversation"] == 3.0

@@ -35,8 +35,8 @@ def test_turns_search_only_when_needed(tok_special, tmp_path):
     by_kind = {}
     for t in built:
         by_kind.setdefault(t.kind, []).append(t)
-    assert set(by_kind) == {"chat_lookup", "chat_clarification", "chat_follow_up", "chat_chit_chat"}
-    for t in by_kind["chat_lookup"] + by_kind["chat_follow_up"]:
+    assert set(by_kind) == {"chat_lookup", "chat_clarification", "chat_detail", "chat_follow_up", "chat_chit_chat"}
+    for t in by_kind["chat_lookup"] + by_kind["chat_detail"] + by_kind["chat_follow_up"]:
         assert len(_markers(tok_special, t)) == 1 and t.evidence_docs
         assert 0 in t.mask[t.prompt_len:]  # the evidence is not trained on
     for t in by_kind["chat_clarification"] + by_kind["chat_chit_chat"]:
@@ -50,8 +50,10 @@ def test_memory_variant_carries_earlier_documents(tok_special, tmp_path):
     convs, retriever = _world(tmp_path)
     builder = ConversationTraceBuilder(tok_special, retriever, "text", evidence_budget=96)
     traces = builder.build(convs[0], with_memory=True)
-    assert len(traces) == 4
-    lookup, clarify, follow, chat = traces
+    assert len(traces) == 5
+    lookup, clarify, detail, follow, chat = traces
+    # the detail's document came with the lookup: with memory it is answered without a search
+    assert _markers(tok_special, detail) == [] and detail.answer in tok_special.decode(detail.input_ids)
     assert "retrieved earlier" not in tok_special.decode(lookup.input_ids[: lookup.prompt_len])
     shown = tok_special.decode(clarify.input_ids[: clarify.prompt_len])
     assert "Evidence retrieved earlier in this conversation" in shown and "[1]" in shown

@@ -1,7 +1,8 @@
 """Multi-turn evaluation: how much retrieval conversations need, with and without memory and gate.
 
 Each synthetic conversation is a lookup, a clarification that repeats it (its answer is already in
-context), a follow-up about the entity just found, and chit-chat. Turn k of every conversation runs
+context), a detail about the entity looked up (the lookup's document holds it), a follow-up about the
+entity just found (a new document), and chit-chat. Turn k of every conversation runs
 as one batch, then turn k + 1 with the answers appended to the chats. Methods:
 
     rig                  every marker the model writes is searched
@@ -9,8 +10,9 @@ as one batch, then turn k + 1 with the answers appended to the chats. Methods:
                          queries answered from them (``rig.reuse_similarity``)
     rig+memory+gate      plus the retrieval gate (``rig.gate``, enabled with its configured settings)
 
-Metrics: searches per conversation, the share of clarification and chit-chat turns that searched
-(retrieval there is redundant), accuracy over turns that have an answer, citation validity and
+Metrics: searches per conversation; the redundant-retrieval rate, the share of turns that searched
+although they need no document or only documents an earlier turn of the conversation retrieved
+(clarifications, chit-chat, details whose lookup found its document); accuracy over turns that have an answer, citation validity and
 support (when ``rig.citations`` is on).
 """
 
@@ -98,6 +100,7 @@ def _record(conv_id: str, k: int, turn: dict, answer: str, trace) -> dict:
     answers = turn.get("answers") or []
     return {"conversation": conv_id, "turn": k, "kind": turn.get("kind", ""), "question": turn["question"],
             "answers": answers, "prediction": answer, "needs_retrieval": turn.get("needs_retrieval"),
+            "supporting_docs": list(turn.get("supporting_docs") or []),
             "accuracy": M.contains_answer(answer, answers) if answers else None,
             "hops": len(steps), "searches": sum(1 for s in steps if "reuse" not in s.info),
             "reused": sum(1 for s in steps if "reuse" in s.info),
@@ -106,31 +109,54 @@ def _record(conv_id: str, k: int, turn: dict, answer: str, trace) -> dict:
             "citations_supported": sum(c.supported for c in cites), "trace": trace.to_dict()}
 
 
+def redundant_turns(records: list[dict]) -> list[dict]:
+    """The turns for which a search is redundant: they need no document, or only documents an earlier
+    turn of the same conversation retrieved (searched or reused)."""
+    seen: dict[str, set[str]] = {}
+    out = []
+    for r in sorted(records, key=lambda r: (r["conversation"], r["turn"])):
+        had = seen.setdefault(r["conversation"], set())
+        if r["needs_retrieval"] is False or (r.get("supporting_docs") and set(r["supporting_docs"]) <= had):
+            out.append(r)
+        had.update(d["id"] for st in r["trace"]["retrieval_steps"] for d in st["docs"])
+    return out
+
+
 def aggregate(records: list[dict]) -> dict:
     convs = {r["conversation"] for r in records}
     by_kind = lambda kind: [r for r in records if r["kind"] == kind]  # noqa: E731
+    searched = lambda rs: M.mean([float(r["searches"] > 0) for r in rs])  # noqa: E731
     answered = [r["accuracy"] for r in records if r["accuracy"] is not None]
     cites = sum(r["citations"] for r in records)
     valid = sum(r["citations_valid"] for r in records)
-    no_need = [r for r in records if r["needs_retrieval"] is False]
     return {
         "conversations": len(convs), "turns": len(records),
         "searches_per_conversation": sum(r["searches"] for r in records) / len(convs) if convs else None,
         "reused_hops_per_conversation": sum(r["reused"] for r in records) / len(convs) if convs else None,
-        "redundant_retrieval_rate": M.mean([float(r["searches"] > 0) for r in no_need]),
-        "clarification_retrieval_rate": M.mean([float(r["searches"] > 0) for r in by_kind("clarification")]),
-        "chit_chat_retrieval_rate": M.mean([float(r["searches"] > 0) for r in by_kind("chit_chat")]),
+        "redundant_retrieval_rate": searched(redundant_turns(records)),
+        "clarification_retrieval_rate": searched(by_kind("clarification")),
+        "detail_retrieval_rate": searched(by_kind("detail")),
+        "chit_chat_retrieval_rate": searched(by_kind("chit_chat")),
         "accuracy": M.mean(answered),
         "accuracy_by_kind": {k: M.mean([r["accuracy"] for r in by_kind(k) if r["accuracy"] is not None])
-                             for k in ("lookup", "clarification", "follow_up")},
+                             for k in ("lookup", "clarification", "detail", "follow_up")},
         "citation_validity": valid / cites if cites else None,
         "citation_support_rate": sum(r["citations_supported"] for r in records) / valid if valid else None,
     }
 
 
 def table(summary: dict[str, dict]) -> str:
+    """The methods side by side, then each method's change in searches and accuracy against ``rig``."""
     cols = ["searches_per_conversation", "redundant_retrieval_rate", "chit_chat_retrieval_rate", "accuracy",
             "citation_validity", "citation_support_rate"]
     head = "| method | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    return head + "".join(f"| {m} | " + " | ".join(fmt(s[c]) for c in cols) + " |\n" for m, s in summary.items())
+    rows = "".join(f"| {m} | " + " | ".join(fmt(s[c]) for c in cols) + " |\n" for m, s in summary.items())
+    base = summary.get("rig")
+    if not base or not base["searches_per_conversation"] or base["accuracy"] is None:
+        return head + rows
+    vs = "".join(
+        f"{m} vs rig: searches {100 * (s['searches_per_conversation'] / base['searches_per_conversation'] - 1):+.1f}%, "
+        f"accuracy {100 * (s['accuracy'] - base['accuracy']):+.1f} points\n"
+        for m, s in summary.items() if m != "rig" and s["accuracy"] is not None)
+    return head + rows + ("\n" + vs if vs else "")

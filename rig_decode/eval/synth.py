@@ -186,28 +186,42 @@ _FOLLOW = {  # (relation of the answer entity to ask about next, question templa
     "person": [("birthplace", "Where was {e} born?")],
     "city": [("country", "Which country is {e} in?")],
 }
+_DETAIL = {  # lookup template -> (another relation of the same entity, question template)
+    "maker": [("released", "And when was the {e} released?")],
+    "hq": [("founder", "And who founded {e}?"), ("founded", "When was {e} founded?")],
+    "founder": [("hq", "Where is {e} headquartered, then?"), ("founded", "When was {e} founded?")],
+}
 _CLARIFY = ["Sorry, what was the answer again?", "Can you repeat that?", "Just to confirm: what did you say it was?"]
 _CHIT_CHAT = ["Thanks, that helps!", "Great, thank you.", "Hello! How are you today?", "Nice, that's all for now.",
               "You're very helpful.", "Good morning!"]
+CONVERSATION_KINDS = ("lookup", "clarification", "detail", "follow_up", "chit_chat")
 
 
 def world_conversations(w: World, rng: random.Random, n: int) -> list[dict]:
-    """Multi-turn chats over a world: a 1-hop lookup, a clarification that repeats it (its answer
-    is already in context: retrieving again is redundant), a follow-up about the entity just
-    found (needs one new document), and chit-chat that needs no retrieval."""
+    """Multi-turn chats over a world, five turns each:
+
+    * lookup: a 1-hop question (one search);
+    * clarification: "can you repeat that?" (the answer is in the chat: no search);
+    * detail: another fact of the entity looked up (the document the lookup retrieved holds it: a
+      second search for it is redundant when that document is still at hand);
+    * follow-up: a fact of the entity just found (needs one new document);
+    * chit-chat (no search)."""
     starts = [(tid, kind, path, text) for tid, kind, path, text in _TEMPLATES
-              if len(path) == 1 and tid in ("maker", "hq", "founder")]
+              if len(path) == 1 and tid in _DETAIL]
     out = []
     for i in range(n):
         tid, kind, path, text = rng.choice(starts)
         e = rng.choice([x for x, k in w.kinds.items() if k == kind])
         found = w.facts[e][path[0]]
         follow_rel, follow_text = rng.choice(_FOLLOW[w.kinds[found]])
+        detail_rel, detail_text = rng.choice(_DETAIL[tid])
         turns = [
             {"question": text.format(e=e), "answers": [found], "kind": "lookup",
              "supporting_docs": [_doc_id(kind, e)], "needs_retrieval": True},
             {"question": rng.choice(_CLARIFY), "answers": [found], "kind": "clarification",
              "supporting_docs": [_doc_id(kind, e)], "needs_retrieval": False},
+            {"question": detail_text.format(e=e), "answers": [w.facts[e][detail_rel]], "kind": "detail",
+             "supporting_docs": [_doc_id(kind, e)], "needs_retrieval": True},
             {"question": follow_text.format(e=found), "answers": [w.facts[found][follow_rel]], "kind": "follow_up",
              "supporting_docs": [_doc_id(w.kinds[found], found)], "needs_retrieval": True},
             {"question": rng.choice(_CHIT_CHAT), "answers": [], "kind": "chit_chat", "supporting_docs": [],

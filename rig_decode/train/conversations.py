@@ -3,16 +3,17 @@
 Single-turn traces teach the markers; they never show a chat history, an evidence memory in the
 prompt, a clarification or chit-chat, so a model trained on them alone searches on every turn.
 For each synthetic conversation (``rig synth``'s ``conversations-{split}.jsonl``: a lookup, a
-clarification, a follow-up about the entity found, chit-chat) this writes one trace per turn, the
+clarification, a detail about the entity looked up, a follow-up about the entity found, chit-chat)
+this writes one trace per turn, the
 way ``rig eval --conversations`` and ``Conversation.ask`` prompt the model: the chat so far (earlier
 answers as the assistant turns), and, in the memory variant, the documents earlier turns retrieved
 in the system message (``EvidenceMemory.prompt_text``), numbered as the engine numbers them.
 
 What each turn teaches:
 
-* lookup / follow-up: a marker with the question as query, the decoder's evidence block for the
-  real retriever's hits, the answer; a follow-up whose document is already in the memory is
-  answered from it without a search;
+* lookup / detail / follow-up: a marker with the question as query, the decoder's evidence block
+  for the real retriever's hits, the answer; a turn whose document is already in the memory (a
+  detail, in the memory variant) is answered from it without a search;
 * clarification: the answer again, at once (it is in the chat, and in the memory);
 * chit-chat: a short reply, no marker.
 
