@@ -79,6 +79,10 @@ class RetrieverConfig(_Section):
     router: bool = True
     """Shift weight to BM25 for queries with ids, codes, versions, numbers or quoted strings."""
     router_alpha: float = Field(0.3, ge=0.0, le=1.0)
+    typo_similarity: float | None = Field(0.8, gt=0.0, le=1.0)
+    """Query words the index lacks are replaced by the closest indexed word at least this alike
+    (0-1, normalised Indel similarity; letters-only words of four or more), so a name the model
+    misspells still matches. None: off. Needs the lexical index (bm25 or hybrid)."""
     index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
     ann_threshold: int = Field(50_000, ge=1)
     """Above this many chunks, ``auto`` uses an approximate (HNSW) index instead of exact search."""

@@ -169,6 +169,26 @@ def test_modes_and_router(store, embedder):
     assert ids(rrf.search_batch([q], 1)[0]) == ["log-412"]
 
 
+def test_misspelled_query_words_are_corrected_to_indexed_words(store, embedder):
+    """A word the index lacks is replaced by the closest indexed word when similar enough; codes,
+    numbers, stop words and words with no close match stay as written; the trace names each fix."""
+    off = IndexRetriever(store, None, "lexical")
+    assert off.search_batch(["Ramen"], 1)[0] == []  # without typo tolerance: no match
+    lexical = IndexRetriever(store, None, "lexical", typo_similarity=0.8)
+    assert ids(lexical.search_batch(["Ramen"], 1)[0]) == ["appr-421"]
+    res = lexical.search_batch(["who approved Priya Ramen", "Bananes potassum", "E1243 zzzzqx"], 1)
+    assert ids(res[0]) == ["appr-421"] and res[0].info["corrected"] == {"Ramen": "Raman"}
+    assert ids(res[1]) == ["fruit"] and res[1].info["corrected"] == {"Bananes": "Bananas", "potassum": "potassium"}
+    assert ids(res[2]) == ["log-412"] and "corrected" not in res[2].info  # E1243 indexed, zzzzqx far from all
+    assert lexical.lexical.corrections("E1244 release 4.2.9", 0.8) == {}  # codes and numbers are exact
+    assert lexical.lexical.corrections("Bananes", 0.99) == {}  # below the similarity asked for
+    # the gate asks whether a search could find a term: a correctable word counts
+    assert lexical.knows("Priya Ramen") and not off.knows("Priya Ramen") and not lexical.knows("Ramen zzzzqx")
+    hybrid = IndexRetriever(store, embedder, "hybrid", typo_similarity=0.8)
+    res = hybrid.search_batch(["who approved Priya Ramen"], 1)[0]
+    assert ids(res) == ["appr-421"] and res.info["corrected"] == {"Ramen": "Raman"}
+
+
 def test_filters_through_the_retriever(store, embedder):
     r = IndexRetriever(store, embedder, "hybrid", default_filters={"status": "active"})
     assert set(ids(r.search_batch(["release fixed error"], 5)[0])) <= {"log-421", "appr-421"}

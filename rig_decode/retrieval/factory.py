@@ -47,7 +47,7 @@ def build_retriever(cfg: RetrieverConfig, cache_dir: Path | None = None,
         store, embedder, MODES[cfg.type], alpha=cfg.alpha, fusion=cfg.fusion, candidates=cfg.candidates,
         router=cfg.router, router_alpha=cfg.router_alpha, score_threshold=cfg.score_threshold,
         default_filters=filters, index_type=cfg.index_type, ann_threshold=cfg.ann_threshold,
-        timeout_s=cfg.timeout_s,
+        timeout_s=cfg.timeout_s, typo_similarity=cfg.typo_similarity,
     )
     return _rerank(retriever, cfg, cache)
 

@@ -6,6 +6,9 @@ candidates, and fuses them, either by alpha-weighted min-max normalised scores
 queries that carry exact terms (ids, codes, versions, long numbers, quoted strings), which
 embeddings blur and BM25 matches exactly.
 
+Query words the index lacks ("Drinkis", a model's slip copying "Drainis") are replaced by the
+closest indexed word when one is similar enough (``typo_similarity``), before both sides search.
+
 Fallback chain: if the dense side fails or exceeds its time limit, the lexical results are used
 alone; if both fail, the result is empty and marked so. Every decision lands in the ``HitList.info``
 of the query, and from there in the hop's trace.
@@ -13,6 +16,7 @@ of the query, and from there in the hop's trace.
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -34,7 +38,8 @@ class IndexRetriever:
     def __init__(self, store: IndexStore, embedder: Embedder | None, mode: str = "hybrid", *,
                  alpha: float = 0.7, fusion: str = "alpha", candidates: int = 20, router: bool = True,
                  router_alpha: float = 0.3, score_threshold: float = 0.0, default_filters: dict | None = None,
-                 index_type: str = "auto", ann_threshold: int = 50_000, timeout_s: float = 5.0):
+                 index_type: str = "auto", ann_threshold: int = 50_000, timeout_s: float = 5.0,
+                 typo_similarity: float | None = None):
         if mode not in MODES:
             raise RetrievalError(f"unknown retrieval mode {mode!r} ({', '.join(MODES)})")
         if fusion not in ("alpha", "rrf"):
@@ -43,6 +48,7 @@ class IndexRetriever:
         self.alpha, self.fusion, self.candidates = alpha, fusion, candidates
         self.router, self.router_alpha = router, router_alpha
         self.score_threshold, self.default_filters, self.timeout_s = score_threshold, default_filters or {}, timeout_s
+        self.typo_similarity = typo_similarity
         self.fields = store.metadata_fields
         self.metadatas = [c.metadata for c in store.chunks]
         self.dense = self.lexical = None
@@ -63,8 +69,9 @@ class IndexRetriever:
         return self.store.chunks
 
     def knows(self, term: str) -> bool | None:
-        """Whether ``term`` occurs in the indexed text (None without a lexical index: unknown)."""
-        return None if self.lexical is None else self.lexical.knows(term)
+        """Whether ``term`` occurs in the indexed text, typo correction included (None without a
+        lexical index: unknown)."""
+        return None if self.lexical is None else self.lexical.knows(term, self.typo_similarity)
 
     def search_batch(self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None
                      ) -> list[HitList]:
@@ -73,6 +80,8 @@ class IndexRetriever:
         mask = filter_mask({**self.default_filters, **(filters or {})}, self.metadatas, self.fields)
         n_cand = max(top_k, self.candidates) if self.mode == "hybrid" else top_k
         infos: list[dict[str, Any]] = [{"mode": self.mode} for _ in queries]
+        if self.lexical is not None and self.typo_similarity:
+            queries = [self._correct(q, info) for q, info in zip(queries, infos)]
         if self.embedder is not None:
             for info in infos:
                 info["query_cache_hit_rate"] = round(self.embedder.cache_hit_rate, 3)
@@ -119,6 +128,15 @@ class IndexRetriever:
                 infos[qi].update(fusion=self.fusion, alpha=alpha)
             out.append(HitList(self._fuse(d, lx, alpha, top_k), infos[qi]))
         return out
+
+    def _correct(self, query: str, info: dict[str, Any]) -> str:
+        """The query with the words the index lacks replaced by their closest indexed words (both
+        sides search with it; ``info["corrected"]`` records each replacement)."""
+        fixes = self.lexical.corrections(query, self.typo_similarity)
+        if not fixes:
+            return query
+        info["corrected"] = fixes
+        return re.sub(r"[^\W\d_]{4,}", lambda m: fixes.get(m.group(), m.group()), query)
 
     def _dense(self, queries: list[str], k: int, mask: np.ndarray | None):
         hits = self.dense.search(self.embedder.encode_queries(queries), k, mask)
