@@ -291,16 +291,20 @@ class RigConfig(_Section):
 
     def system_prompt(self) -> str | None:
         """``rig.system_prompt`` if set, else the prompt the model's adapter was trained with, else
-        None (the built-in instruction that teaches the marker syntax)."""
-        if self.rig.system_prompt is not None:
-            return self.rig.system_prompt
-        from .adapters import adapter_settings, resolve_adapter
+        None (the built-in instruction that teaches the marker syntax). With ``rig.citations`` a
+        prompt asks for ``[n]`` citations (``prompt.CITE_INSTRUCTION``)."""
+        from .prompt import with_cite_instruction
 
-        model = self.served_model()
-        try:
-            return adapter_settings(resolve_adapter(model.name, model.adapter)).get("system_prompt")
-        except ValueError as e:
-            raise ConfigError(f"model.adapter: {e}") from None
+        prompt = self.rig.system_prompt
+        if prompt is None:
+            from .adapters import adapter_settings, resolve_adapter
+
+            model = self.served_model()
+            try:
+                prompt = adapter_settings(resolve_adapter(model.name, model.adapter)).get("system_prompt")
+            except ValueError as e:
+                raise ConfigError(f"model.adapter: {e}") from None
+        return with_cite_instruction(prompt) if prompt is not None and self.rig.citations else prompt
 
     def updated(self, **sections: dict[str, Any]) -> "RigConfig":
         """A copy with some keys of some sections replaced, validated like a file would be."""

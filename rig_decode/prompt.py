@@ -31,6 +31,14 @@ MARKER_ADAPTER_PROMPT = "Answer in a few words. Search for any fact you do not k
 trained on them needs no syntax lesson, and a short prompt makes training and every request cheaper.
 A trained adapter records the prompt it was trained with, and sessions use it (``models.loader``)."""
 
+CITE_INSTRUCTION = "Cite the evidence you use as [n]."
+"""Appended to the system prompt when ``rig.citations`` is on (``RigConfig.system_prompt``); the
+marker adapter's multi-turn traces carry it where their answers cite, so the model cites when asked."""
+
+
+def with_cite_instruction(prompt: str) -> str:
+    return prompt if CITE_INSTRUCTION in prompt else f"{prompt} {CITE_INSTRUCTION}"
+
 
 def system_prompt(spec: MarkerSpec) -> str:
     return _RULES.format(

@@ -10,7 +10,9 @@ plus ``stats.json``. The test split is never read: its entities stay unseen.
 
 ``--conversations`` writes multi-turn traces instead (``{split}-conversations-{variant}.jsonl``, from
 ``conversations-{split}.jsonl``; ``train/conversations.py``): every turn of every conversation,
-once with and once without the evidence memory in the prompt.
+once with and once without the evidence memory in the prompt. ``--cite`` adds the citing variant
+(``{split}-conversations-cite-{variant}.jsonl``): the citation instruction in the system message and
+answers that end with their document's number.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--conversations", action="store_true", help="multi-turn traces from conversations-{split}.jsonl")
+    ap.add_argument("--cite", action="store_true", help="with --conversations: also the citing variant")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
                     help="system message of every trace; the trained adapter records it and sessions use it")
     args = ap.parse_args(argv)
@@ -60,9 +63,10 @@ def main(argv=None) -> int:
             retriever = build_retriever(RetrieverConfig(), corpus=corpus)
         for variant in args.variants.split(","):
             if args.conversations:
-                stats[f"{split}-conversations-{variant}"] = _conversations(args, synth / f"conversations-{split}.jsonl",
-                                                                        out / f"{split}-conversations-{variant}.jsonl",
-                                                                        tok, retriever, variant)
+                for cite in (False, True) if args.cite else (False,):
+                    name = f"{split}-conversations{'-cite' if cite else ''}-{variant}"
+                    stats[name] = _conversations(args, synth / f"conversations-{split}.jsonl", out / f"{name}.jsonl",
+                                                 tok, retriever, variant, cite)
                 continue
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                    top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
@@ -81,14 +85,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _conversations(args, src: Path, path: Path, tok, retriever, variant: str) -> dict:
+def _conversations(args, src: Path, path: Path, tok, retriever, variant: str, cite: bool) -> dict:
     builder = ConversationTraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                        top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
     convs = [json.loads(line) for line in src.open(encoding="utf-8") if line.strip()]
     with path.open("w", encoding="utf-8") as f:
         for conv in tqdm(convs, desc=f"{src.name} {variant}", file=sys.stderr):
             for with_memory in (False, True):
-                for trace in builder.build(conv, with_memory):
+                for trace in builder.build(conv, with_memory, cite):
                     f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
     print(f"{path}: {builder.stats.built} traces, {builder.stats.skipped} conversations skipped, "
           f"{builder.stats.kinds}", file=sys.stderr)

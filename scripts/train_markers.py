@@ -19,6 +19,7 @@ import torch
 
 from rig_decode.config import ModelConfig
 from rig_decode.markers import MarkerSpec
+from rig_decode.prompt import CITE_INSTRUCTION
 from rig_decode.train.lora import TrainConfig, add_marker_tokens, load_base, save, train, wrap_lora
 
 CARD = """# Marker adapter for {model}
@@ -59,8 +60,11 @@ def main(argv=None) -> int:
     if not traces:
         ap.error(f"{args.data} holds no traces")
     variant = traces[0]["variant"]
-    if {t["variant"] for t in traces} != {variant} or len({t.get("system_prompt") for t in traces}) != 1:
+    # citing traces carry the citation instruction after the same prompt: the adapter records the base
+    prompts = {(t.get("system_prompt") or "").replace(CITE_INSTRUCTION, "").strip() or None for t in traces}
+    if {t["variant"] for t in traces} != {variant} or len(prompts) != 1:
         ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
+    system_prompt = prompts.pop()
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
                       top_layers=args.top_layers,
                       special_markers=variant == "special")
@@ -105,7 +109,7 @@ def main(argv=None) -> int:
     save(model, tok, out, cfg, result, {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds})
     (out / "README.md").write_text(card)
     # what a session needs to prompt the model the way it was trained (models.loader.adapter_settings)
-    settings = {"system_prompt": traces[0].get("system_prompt"), "marker_style": traces[0]["style"],
+    settings = {"system_prompt": system_prompt, "marker_style": traces[0]["style"],
                 "added_tokens": result.added_tokens}
     (out / "rig_adapter.json").write_text(json.dumps(settings, indent=2) + "\n")
     print(json.dumps({"train": {"out": str(out), "steps": cfg.steps, "first_loss": round(result.losses[0], 4),

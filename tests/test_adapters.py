@@ -15,6 +15,7 @@ from rig_decode.adapters import embedded_adapter, resolve_adapter  # noqa: E402
 from rig_decode.config import ConfigError, ModelConfig, RigConfig  # noqa: E402
 from rig_decode.markers import MarkerSpec  # noqa: E402
 from rig_decode.models.loader import ModelLoadError, load_model, load_tokenizer  # noqa: E402
+from rig_decode.prompt import CITE_INSTRUCTION  # noqa: E402
 from rig_decode.train.lora import TrainConfig, add_marker_tokens, wrap_lora  # noqa: E402
 
 from .helpers import tiny_model, tiny_tokenizer  # noqa: E402
@@ -36,6 +37,13 @@ def test_the_adapters_training_prompt_is_the_default_system_prompt(tmp_path):
     assert cfg.system_prompt() == "Search, then answer."
     assert RigConfig.from_dict({"model": {"adapter": str(tmp_path)}, "rig": {"system_prompt": "Mine."}}).system_prompt() == "Mine."
     assert RigConfig.from_dict({"model": {"adapter": None}}).system_prompt() is None  # the built-in instruction
+    # with citations on, the prompt asks for them (once)
+    cite = {"citations": True}
+    assert RigConfig.from_dict({"model": {"adapter": str(tmp_path)}, "rig": cite}).system_prompt() == \
+        f"Search, then answer. {CITE_INSTRUCTION}"
+    assert RigConfig.from_dict({"model": {"adapter": str(tmp_path)},
+                                "rig": {**cite, "system_prompt": f"Mine. {CITE_INSTRUCTION}"}}).system_prompt() == \
+        f"Mine. {CITE_INSTRUCTION}"
     (tmp_path / "rig_adapter.json").write_text("{not json")
     with pytest.raises(ConfigError, match="rig_adapter.json is not valid JSON"):
         cfg.system_prompt()

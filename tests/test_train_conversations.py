@@ -73,3 +73,28 @@ def test_chat_filler_and_replies():
     assert query_for("And in which city is Vastrel headquartered?") == "in which city is Vastrel headquartered"
     assert query_for("Who founded Orbisk, then?") == "Who founded Orbisk"
     assert chit_chat_reply("Good morning!").startswith("Hello") and chit_chat_reply("Thanks!") == THANKS_REPLY
+
+
+def test_citing_variant_cites_the_gold_document_by_its_number(tok_special, tmp_path):
+    from rig_decode.prompt import CITE_INSTRUCTION
+
+    convs, retriever = _world(tmp_path)
+    builder = ConversationTraceBuilder(tok_special, retriever, "text", evidence_budget=96, system_prompt="Be brief.")
+    written = lambda t: tok_special.decode([x for x, w in zip(t.input_ids, t.mask) if w])  # noqa: E731
+    plain = builder.build(convs[0], with_memory=True)
+    assert not any("[" in written(t).replace("<|retrieve|>", "") for t in plain)
+    cited = builder.build(convs[0], with_memory=True, cite=True)
+    assert all(CITE_INSTRUCTION in tok_special.decode(t.input_ids[: t.prompt_len]) for t in cited)
+    lookup, clarify, detail, follow, chat = cited
+    # the lookup's gold document is the first of its evidence block: number 1; the memory keeps it
+    gold = convs[0]["turns"][0]["supporting_docs"][0]
+    n = lookup.evidence_docs[0].index(gold) + 1
+    assert written(lookup).removesuffix(tok_special.eos_token).endswith(f"{lookup.answer} [{n}]")
+    assert f"{clarify.answer} [{n}]" in written(clarify) and f"{detail.answer} [{n}]" in written(detail)
+    # the follow-up cites its new document by the number the engine gives it (after the memory's)
+    m = re.search(rf"{re.escape(follow.answer)} \[(\d+)\]", written(follow))
+    assert m and int(m.group(1)) > len(lookup.evidence_docs[0])
+    assert "[" not in written(chat)
+    # without memory, a clarification has no document in context: nothing to cite
+    no_mem = builder.build(convs[0], with_memory=False, cite=True)
+    assert "[" not in written(no_mem[1]) and f"[{n}]" in written(no_mem[0])

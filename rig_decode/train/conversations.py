@@ -17,6 +17,11 @@ What each turn teaches:
 * clarification: the answer again, at once (it is in the chat, and in the memory);
 * chit-chat: a short reply, no marker.
 
+In the citing variant (``cite=True``) the system message also carries ``prompt.CITE_INSTRUCTION``
+(what ``rig.citations`` adds) and an answer taken from a document in context ends with that
+document's number, ``Pevuth [2]``, as the engine numbers it; without the instruction answers never
+cite, so the model cites only when asked.
+
 A turn whose query does not find its gold document is dropped with the rest of its conversation.
 """
 
@@ -27,7 +32,7 @@ import random
 from ..evidence import EvidenceFormatter, number_hits
 from ..markers import MarkerSpec
 from ..memory import EvidenceMemory
-from ..prompt import build_prompt
+from ..prompt import build_prompt, with_cite_instruction
 from ..retrieval.base import Retriever
 from ..trace import RetrievedDoc
 from .data import VARIANTS, BuildStats, Trace, variant_tokenizer
@@ -59,30 +64,36 @@ class ConversationTraceBuilder:
         self.top_k, self.system, self.rng = top_k, system_prompt, random.Random(seed)
         self.stats = BuildStats()
 
-    def build(self, conv: dict, with_memory: bool) -> list[Trace]:
+    def build(self, conv: dict, with_memory: bool, cite: bool = False) -> list[Trace]:
         """One trace per turn of ``conv`` (none if a needed search misses its gold document)."""
         chat: list[dict] = []
         memory = EvidenceMemory()
+        system = with_cite_instruction(self.system) if cite and self.system else self.system
         out = []
         for k, turn in enumerate(conv["turns"]):
             chat.append({"role": "user", "content": turn["question"]})
-            prompt = build_prompt(self.tok, chat, self.spec, self.system,
-                                  memory.prompt_text() if with_memory else "")
+            prompt = build_prompt(self.tok, chat, self.spec, system, memory.prompt_text() if with_memory else "")
             answer = turn["answers"][0] if turn.get("answers") else chit_chat_reply(turn["question"])
-            trace = Trace(f"{conv['id']}-t{k}{'-mem' if with_memory else ''}", turn["question"], answer,
+            tag = ("-mem" if with_memory else "") + ("-cite" if cite else "")
+            trace = Trace(f"{conv['id']}-t{k}{tag}", turn["question"], answer,
                           int(bool(turn.get("needs_retrieval"))), self.spec.style, list(prompt), [0] * len(prompt),
                           len(prompt), kind=f"chat_{turn.get('kind', 'turn')}", variant=self.variant,
-                          marker_token_ids=list(self.marker_ids), system_prompt=self.system)
-            in_memory = {d.id for d in memory.in_prompt()} if with_memory else set()
+                          marker_token_ids=list(self.marker_ids), system_prompt=system)
+            # what the answer may cite: the memory block's documents, then this turn's evidence
+            shown = {d.id: d.number for d in memory.in_prompt()} if with_memory else {}
             gold = set(turn.get("supporting_docs") or [])
-            if turn.get("needs_retrieval") and not gold <= in_memory:
-                if not self._search_and_splice(trace, turn["question"], gold, memory, with_memory):
+            if turn.get("needs_retrieval") and not gold <= set(shown):
+                spliced = self._search_and_splice(trace, turn["question"], gold, memory, with_memory)
+                if spliced is None:
                     self.stats.skipped += 1
                     return []
-            self._write(trace, answer)
+                shown = {**shown, **spliced}
+            cited = sorted({shown[d] for d in gold if d in shown}) if cite and turn.get("answers") else []
+            written = answer + (" " + "".join(f"[{n}]" for n in cited) if cited else "")
+            self._write(trace, written)
             trace.input_ids.append(self.tok.eos_token_id)
             trace.mask.append(1)
-            chat.append({"role": "assistant", "content": answer})
+            chat.append({"role": "assistant", "content": written})  # as the engine's chat keeps it
             out.append(trace)
             self.stats.built += 1
             self.stats.kinds[trace.kind] = self.stats.kinds.get(trace.kind, 0) + 1
@@ -94,11 +105,13 @@ class ConversationTraceBuilder:
         trace.mask.extend([1] * len(ids))
 
     def _search_and_splice(self, trace: Trace, question: str, gold: set[str], memory: EvidenceMemory,
-                           with_memory: bool) -> bool:
+                           with_memory: bool) -> dict[str, int] | None:
+        """Search, splice the evidence block; ``{doc id: number}`` of the documents it shows (None,
+        nothing written, when the hits miss every gold document)."""
         query = query_for(question)
         hits = list(self.retriever.search_batch([query], self.top_k)[0])
         if not gold & {h.doc_id for h in hits}:
-            return False
+            return None
         self._write(trace, self.spec.render(query))
         # as the engine numbers them: on from the memory's numbers, or from 1 in a fresh answer
         numbers = number_hits(hits, {d.id: d.number for d in memory.docs} if with_memory else {})
@@ -107,8 +120,9 @@ class ConversationTraceBuilder:
         trace.mask.extend([0] * len(block.token_ids))
         trace.queries.append(query)
         trace.evidence_docs.append(list(block.doc_ids))
+        shown = dict(zip(block.doc_ids, numbers))
         if not with_memory:
-            return True
+            return shown
         known = {d.id for d in memory.docs}
         by_id = {h.doc_id: h for h in hits}
         for doc_id, n, text in zip(block.doc_ids, numbers, block.shown):
@@ -116,4 +130,4 @@ class ConversationTraceBuilder:
                 h = by_id[doc_id]
                 memory.docs.append(RetrievedDoc(doc_id, h.title, h.score, h.source, n, text))
         memory.queries.append((query, numbers[: len(block.doc_ids)]))
-        return True
+        return shown
