@@ -2,7 +2,8 @@
 
 All context paragraphs of the subset form one corpus (one chunk per paragraph); each question is a
 query, and its supporting paragraphs (by title) are the gold set. For each method: recall@k of the
-gold paragraphs (k = 2, 5, 10, averaged over questions), then milliseconds per query for batches of
+gold paragraphs (k = 2, 5, 10, averaged over questions; query typo correction on, and off in the
+"no typo fix" rows), then milliseconds per query for batches of
 1, 8 and 32 queries (one ``search_batch`` call per batch, median over the whole question set).
 
     python bench/retrieval.py [--dataset ../shared/data/hotpotqa_dev_100.jsonl]
@@ -37,6 +38,9 @@ def methods(reranker_dir: str | None) -> dict[str, RetrieverConfig]:
         "dense": RetrieverConfig(type="faiss", **base),
         "hybrid (alpha)": RetrieverConfig(type="hybrid", fusion="alpha", **base),
         "hybrid (rrf)": RetrieverConfig(type="hybrid", fusion="rrf", **base),
+        # query typo correction (on by default above) side by side with it off
+        "bm25, no typo fix": RetrieverConfig(type="bm25", typo_similarity=None, **base),
+        "hybrid (alpha), no typo fix": RetrieverConfig(type="hybrid", fusion="alpha", typo_similarity=None, **base),
     }
     if reranker_dir:
         out["hybrid + rerank"] = RetrieverConfig(
@@ -80,10 +84,10 @@ def main(argv=None) -> int:
             rows[name].update({f"ms@{b}": ms_per_query(r, questions, b) for b in BATCHES})
             print(f"[bench] {name} done", file=sys.stderr, flush=True)
     print(f"{len(examples)} questions, {len(corpus)} paragraphs; recall of supporting paragraphs, ms per query")
-    print(f"{'method':<18}" + "".join(f"{'recall@' + str(k):>11}" for k in KS)
+    print(f"{'method':<28}" + "".join(f"{'recall@' + str(k):>11}" for k in KS)
           + "".join(f"{'ms/q @' + str(b):>11}" for b in BATCHES))
     for name, m in rows.items():
-        print(f"{name:<18}" + "".join(f"{m[f'recall@{k}']:>11.3f}" for k in KS)
+        print(f"{name:<28}" + "".join(f"{m[f'recall@{k}']:>11.3f}" for k in KS)
               + "".join(f"{m[f'ms@{b}']:>11.2f}" for b in BATCHES))
     if not args.reranker_dir:
         print("hybrid + rerank: not run (no flashrank model folder given with --reranker-dir)")
