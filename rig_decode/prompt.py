@@ -40,6 +40,11 @@ def with_cite_instruction(prompt: str) -> str:
     return prompt if CITE_INSTRUCTION in prompt else f"{prompt} {CITE_INSTRUCTION}"
 
 
+def without_cite_instruction(prompt: str | None) -> str | None:
+    """The prompt ``with_cite_instruction`` started from (None for none)."""
+    return (prompt or "").replace(CITE_INSTRUCTION, "").strip() or None
+
+
 def system_prompt(spec: MarkerSpec) -> str:
     return _RULES.format(
         example=spec.render("your search query"),

@@ -19,7 +19,7 @@ import torch
 
 from rig_decode.config import ModelConfig
 from rig_decode.markers import MarkerSpec
-from rig_decode.prompt import CITE_INSTRUCTION
+from rig_decode.prompt import without_cite_instruction
 from rig_decode.train.lora import TrainConfig, add_marker_tokens, load_base, save, train, wrap_lora
 
 CARD = """# Marker adapter for {model}
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         ap.error(f"{args.data} holds no traces")
     variant = traces[0]["variant"]
     # citing traces carry the citation instruction after the same prompt: the adapter records the base
-    prompts = {(t.get("system_prompt") or "").replace(CITE_INSTRUCTION, "").strip() or None for t in traces}
+    prompts = {without_cite_instruction(t.get("system_prompt")) for t in traces}
     if {t["variant"] for t in traces} != {variant} or len(prompts) != 1:
         ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
     system_prompt = prompts.pop()

@@ -15,7 +15,7 @@ from rig_decode.adapters import embedded_adapter, resolve_adapter  # noqa: E402
 from rig_decode.config import ConfigError, ModelConfig, RigConfig  # noqa: E402
 from rig_decode.markers import MarkerSpec  # noqa: E402
 from rig_decode.models.loader import ModelLoadError, load_model, load_tokenizer  # noqa: E402
-from rig_decode.prompt import CITE_INSTRUCTION  # noqa: E402
+from rig_decode.prompt import CITE_INSTRUCTION, without_cite_instruction  # noqa: E402
 from rig_decode.train.lora import TrainConfig, add_marker_tokens, wrap_lora  # noqa: E402
 
 from .helpers import tiny_model, tiny_tokenizer  # noqa: E402
@@ -44,6 +44,9 @@ def test_the_adapters_training_prompt_is_the_default_system_prompt(tmp_path):
     assert RigConfig.from_dict({"model": {"adapter": str(tmp_path)},
                                 "rig": {**cite, "system_prompt": f"Mine. {CITE_INSTRUCTION}"}}).system_prompt() == \
         f"Mine. {CITE_INSTRUCTION}"
+    # the trainer records the prompt without it (citing and plain traces train one adapter)
+    assert without_cite_instruction(f"Search, then answer. {CITE_INSTRUCTION}") == "Search, then answer."
+    assert without_cite_instruction(None) is None and without_cite_instruction(CITE_INSTRUCTION) is None
     (tmp_path / "rig_adapter.json").write_text("{not json")
     with pytest.raises(ConfigError, match="rig_adapter.json is not valid JSON"):
         cfg.system_prompt()

@@ -16,7 +16,6 @@ of the query, and from there in the hop's trace.
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -132,11 +131,10 @@ class IndexRetriever:
     def _correct(self, query: str, info: dict[str, Any]) -> str:
         """The query with the words the index lacks replaced by their closest indexed words (both
         sides search with it; ``info["corrected"]`` records each replacement)."""
-        fixes = self.lexical.corrections(query, self.typo_similarity)
-        if not fixes:
-            return query
-        info["corrected"] = fixes
-        return re.sub(r"[^\W\d_]{4,}", lambda m: fixes.get(m.group(), m.group()), query)
+        query, fixes = self.lexical.corrected(query, self.typo_similarity)
+        if fixes:
+            info["corrected"] = fixes
+        return query
 
     def _dense(self, queries: list[str], k: int, mask: np.ndarray | None):
         hits = self.dense.search(self.embedder.encode_queries(queries), k, mask)

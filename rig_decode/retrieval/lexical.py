@@ -50,6 +50,11 @@ class LexicalSearcher:
                 out[word] = fix.capitalize() if word[0].isupper() else fix
         return out
 
+    def corrected(self, query: str, min_similarity: float) -> tuple[str, dict[str, str]]:
+        """``query`` with ``corrections`` applied, and the corrections."""
+        fixes = self.corrections(query, min_similarity)
+        return (_WORD.sub(lambda m: fixes.get(m.group(), m.group()), query) if fixes else query), fixes
+
     def knows(self, term: str, min_similarity: float | None = None) -> bool:
         """Whether the corpus contains every lexical token of ``term`` (False for no tokens); with
         ``min_similarity``, a token that ``corrections`` would replace counts as contained."""
