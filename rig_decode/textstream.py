@@ -26,8 +26,10 @@ class TextDeltas:
     """Hands out an answer's text as it becomes final, from the snapshots the engine's events carry.
 
     ``raw``: the whole completion as the model saw it (markers and evidence blocks included),
-    instead of the answer with markers hidden and evidence left out. ``stop``: strings that end
-    the answer (not included), as in OpenAI's API; ``stopped`` tells when one was found.
+    instead of the answer with markers hidden and evidence left out; the answer starts at its
+    first non-blank character (a marker adapter writes answers after a space, the way the names
+    they copy appear in evidence). ``stop``: strings that end the answer (not included), as in
+    OpenAI's API; ``stopped`` tells when one was found.
     """
 
     def __init__(self, vocab: MarkerVocab, stop_ids: list[int], raw: bool = False, stop: list[str] | None = None):
@@ -55,6 +57,8 @@ class TextDeltas:
         if self.stopped:
             return ""
         text = (data if final else complete_utf8(data)).decode("utf-8", "replace")
+        if not self.raw:
+            text = text.lstrip()
         for s in self.stop:
             at = text.find(s)
             if at >= 0:

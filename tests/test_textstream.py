@@ -46,7 +46,7 @@ def _stream(text: str, marker_at: int | None, query: str, stop=None, raw=False):
 def test_deltas_add_up_and_never_break_a_character(parts, at, with_marker, query):
     text = "".join(parts)
     out, seq = _stream(text, min(at, len(text)) if with_marker else None, query)
-    assert "".join(out) == seq.matcher.visible_text() == text
+    assert "".join(out) == seq.matcher.visible_text().lstrip() == text.lstrip()
     assert all("\ufffd" not in d for d in out)
 
 
@@ -63,6 +63,15 @@ def test_stop_strings_are_cut_and_held_back():
     out, _ = _stream("Release 4.2.1 fixed it. Priya approved.", None, "", stop=["fixed", "zzz"])
     assert "".join(out) == "Release 4.2.1 "
     assert all("fix" not in d for d in out)
+
+
+def test_the_answer_starts_at_its_first_word():
+    """A marker adapter writes its answer after a space (and after a marker, the text resumes with
+    one): the stream starts at the answer's first character, as ``RigSession.answer_text`` does."""
+    out, _ = _stream(" Saibou", 0, "Tetrula Labs headquarters")
+    assert "".join(out) == "Saibou" and out[0] == ""
+    raw, _ = _stream(" Saibou", None, "", raw=True)
+    assert "".join(raw) == " Saibou"
 
 
 def test_raw_mode_shows_markers():

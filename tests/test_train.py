@@ -86,6 +86,32 @@ def test_evidence_in_traces_is_what_the_decoder_splices(world, variant):
         assert [step.query for step in s.trace.retrieval_steps] == t.queries
 
 
+def test_copied_names_keep_the_tokens_they_have_in_evidence(world, real):
+    """Queries and answers start with a space, so the answer a trace teaches is the very token run
+    its evidence holds; at the start of a text the model's tokenizer splits names differently."""
+    splits, retriever = world
+    builder = TraceBuilder(real[1], retriever, "special", p_misleading=0.0, p_empty=0.0, seed=4)
+    traces = [t for q in splits["train"] if (t := builder.build(_rec(q))) and t.hops >= 2][:20]
+    tok = builder.tok
+    assert len(traces) == 20
+    respelled = 0
+    for t in traces:
+        answer = tok.encode(" " + t.answer, add_special_tokens=False)
+        assert t.input_ids[-1 - len(answer):-1] == answer, t.id
+        evidence = [i for i, m in zip(t.input_ids, t.mask) if m == 0][t.prompt_len:]
+        assert _contains(evidence, answer), t.id
+        respelled += not _contains(evidence, tok.encode(t.answer, add_special_tokens=False))
+        start = builder.marker_ids[0]
+        for k in range(t.prompt_len, len(t.input_ids) - 1):
+            if t.input_ids[k] == start:  # a query begins with a word-initial token
+                assert tok.convert_ids_to_tokens(t.input_ids[k + 1]).startswith("Ġ"), t.id
+    assert respelled  # without the space, some answers would not be a copy
+
+
+def _contains(seq: list[int], run: list[int]) -> bool:
+    return any(seq[k:k + len(run)] == run for k in range(len(seq) - len(run) + 1))
+
+
 def test_collate_and_loss_ignore_masked_tokens():
     batch = [{"input_ids": [5, 6, 7, 8, 9], "mask": [0, 0, 1, 0, 1]}, {"input_ids": [5, 6], "mask": [0, 1]}]
     b = collate(batch, pad_id=0, max_len=16)

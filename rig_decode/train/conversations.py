@@ -35,7 +35,7 @@ from ..memory import EvidenceMemory
 from ..prompt import build_prompt, with_cite_instruction
 from ..retrieval.base import Retriever
 from ..trace import RetrievedDoc
-from .data import VARIANTS, BuildStats, Trace, variant_tokenizer
+from .data import VARIANTS, BuildStats, Trace, spoken, variant_tokenizer
 
 GREETING_REPLY = "Hello! What would you like to know?"
 THANKS_REPLY = "You're welcome!"
@@ -90,7 +90,7 @@ class ConversationTraceBuilder:
                 shown = {**shown, **spliced}
             cited = sorted({shown[d] for d in gold if d in shown}) if cite and turn.get("answers") else []
             written = answer + (" " + "".join(f"[{n}]" for n in cited) if cited else "")
-            self._write(trace, written)
+            self._write(trace, spoken(written))
             trace.input_ids.append(self.tok.eos_token_id)
             trace.mask.append(1)
             chat.append({"role": "assistant", "content": written})  # as the engine's chat keeps it
@@ -112,7 +112,7 @@ class ConversationTraceBuilder:
         hits = list(self.retriever.search_batch([query], self.top_k)[0])
         if not gold & {h.doc_id for h in hits}:
             return None
-        self._write(trace, self.spec.render(query))
+        self._write(trace, self.spec.render(spoken(query)))
         # as the engine numbers them: on from the memory's numbers, or from 1 in a fresh answer
         numbers = number_hits(hits, {d.id: d.number for d in memory.docs} if with_memory else {})
         block = self.formatter.render_block(hits, 1, numbers=numbers)

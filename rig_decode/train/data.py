@@ -20,6 +20,9 @@ Variations the model has to learn:
 
 A question whose precise queries never find the needed document is skipped (and counted), so no
 trace teaches an answer that its evidence does not support.
+
+What the model writes (queries, answers) starts with a space (``spoken``), so names copied from
+evidence keep the tokens they have there.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ PATHS = {tid: path for tid, _, path, _ in _TEMPLATES}
 VARIANTS = {"special": "special_token", "text": "special_token", "json": "json"}
 """Marker variants: ``special`` (the special_token style's delimiters added to the tokenizer as
 single tokens), ``text`` (the same delimiters as plain text), ``json`` (the JSON style)."""
+
+
+def spoken(text: str) -> str:
+    """``text`` as the model writes it: after a space. A byte-level BPE tokenizer splits a word at
+    the start of a text differently from the same word after a space (``Sa|ibou`` vs ``ĠSa|ibou``),
+    and in evidence names follow spaces; written like this, a name the model copies from evidence
+    into a query or an answer is the same tokens in both places, not a re-spelling of an invented
+    name (which a small model gets wrong: "Sausibou" for "Saibou"). The engine strips queries and
+    answers, so the space never reaches a user."""
+    return " " + text
 
 
 def variant_tokenizer(tokenizer, variant: str):
@@ -151,14 +164,14 @@ class TraceBuilder:
                     hits = self._search(vague)
                     if hits and hits[0].doc_id != gold[h]:  # the best hit is about another entity
                         hop += 1
-                        write(self.spec.render(vague))
+                        write(self.spec.render(spoken(vague)))
                         trace.queries.append(vague)
                         splice(hits, hop)
                         trace.kind = "misleading_requery"
                 elif self.rng.random() < self.p_empty:
                     hop += 1
                     first = self.rng.choice(PHRASINGS[rel]).format(e=entity)
-                    write(self.spec.render(first))
+                    write(self.spec.render(spoken(first)))
                     trace.queries.append(first)
                     splice([], hop)  # the decoder's block for a failed or empty search
                     trace.kind = "empty_requery"
@@ -171,10 +184,10 @@ class TraceBuilder:
                     self.stats.skipped += 1
                     return None
                 hop += 1
-                write(self.spec.render(query))
+                write(self.spec.render(spoken(query)))
                 trace.queries.append(query)
                 splice(hits, hop)
-        write(q["answer"])
+        write(spoken(q["answer"]))
         ids.append(self.eos)
         mask.append(1)
         self.stats.built += 1
