@@ -13,6 +13,10 @@ plus ``stats.json``. The test split is never read: its entities stay unseen.
 once with and once without the evidence memory in the prompt. ``--cite`` adds the citing variant
 (``{split}-conversations-cite-{variant}.jsonl``): the citation instruction in the system message and
 answers that end with their document's number.
+
+``--templates`` keeps only the traces of those question templates (``{split}-focus-{variant}.jsonl``;
+every question is still built, in order, so each kept trace equals its twin in the full file): the
+third training stage repeats the questions whose last hop is a city or a country.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from rig_decode.models.loader import load_tokenizer
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT
 from rig_decode.retrieval.factory import build_retriever
 from rig_decode.train.conversations import ConversationTraceBuilder
-from rig_decode.train.data import TraceBuilder
+from rig_decode.train.data import PATHS, TraceBuilder
 
 
 def main(argv=None) -> int:
@@ -46,12 +50,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--conversations", action="store_true", help="multi-turn traces from conversations-{split}.jsonl")
     ap.add_argument("--cite", action="store_true", help="with --conversations: also the citing variant")
+    ap.add_argument("--templates", help="comma-separated question templates: write only their traces (a focus set)")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
                     help="system message of every trace; the trained adapter records it and sessions use it")
     args = ap.parse_args(argv)
     synth, out = Path(args.synth), Path(args.out)
     if "test" in args.splits.split(","):
         ap.error("the test split is held out: its entities must stay unseen by training")
+    focus = set(args.templates.split(",")) if args.templates else None
+    if focus and (unknown := focus - set(PATHS)):
+        ap.error(f"unknown templates {sorted(unknown)} (known: {', '.join(PATHS)})")
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(ModelConfig(name=args.model))
     stats = {}
@@ -70,17 +78,20 @@ def main(argv=None) -> int:
                 continue
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                    top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
-            path = out / f"{split}-{variant}.jsonl"
+            path = out / f"{split}{'-focus' if focus else ''}-{variant}.jsonl"
+            written = 0
             with path.open("w", encoding="utf-8") as f:
                 for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr):
                     trace = builder.build(rec)
-                    if trace is not None:
+                    if trace is not None and (focus is None or rec.get("template") in focus):
                         f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
-            stats[f"{split}-{variant}"] = {"built": builder.stats.built, "skipped": builder.stats.skipped,
-                                         "kinds": builder.stats.kinds}
-            print(f"{path}: {builder.stats.built} traces, {builder.stats.skipped} skipped, {builder.stats.kinds}",
+                        written += 1
+            stats[path.stem] = {"built": builder.stats.built, "written": written, "skipped": builder.stats.skipped,
+                                "kinds": builder.stats.kinds}
+            print(f"{path}: {written} traces, {builder.stats.skipped} skipped, {builder.stats.kinds}",
                   file=sys.stderr)
-    (out / ("stats-conversations.json" if args.conversations else "stats.json")).write_text(json.dumps(stats, indent=2) + "\n")
+    name = "stats-conversations.json" if args.conversations else "stats-focus.json" if focus else "stats.json"
+    (out / name).write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({"marker_data": stats}))
     return 0
 
