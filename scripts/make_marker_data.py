@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     if "test" in args.splits.split(","):
         ap.error("the test split is held out: its entities must stay unseen by training")
     focus = set(args.templates.split(",")) if args.templates else None
+    if focus and args.conversations:
+        ap.error("--templates selects single-turn questions; conversations have no templates")
     if focus and (unknown := focus - set(PATHS)):
         ap.error(f"unknown templates {sorted(unknown)} (known: {', '.join(PATHS)})")
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
                         written += 1
             stats[path.stem] = {"built": builder.stats.built, "written": written, "skipped": builder.stats.skipped,
                                 "kinds": builder.stats.kinds}
-            print(f"{path}: {written} traces, {builder.stats.skipped} skipped, {builder.stats.kinds}",
+            print(f"{path}: {written} of {builder.stats.built} traces built, {builder.stats.skipped} skipped, "
+                  f"{builder.stats.kinds}",
                   file=sys.stderr)
     name = "stats-conversations.json" if args.conversations else "stats-focus.json" if focus else "stats.json"
     (out / name).write_text(json.dumps(stats, indent=2) + "\n")

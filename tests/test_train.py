@@ -1,5 +1,8 @@
 """Marker training: traces equal what the decoder splices; the loss sees only what the model writes."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,6 +113,20 @@ def test_copied_names_keep_the_tokens_they_have_in_evidence(world, real):
 
 def _contains(seq: list[int], run: list[int]) -> bool:
     return any(seq[k:k + len(run)] == run for k in range(len(seq) - len(run) + 1))
+
+
+def test_make_marker_data_rejects_bad_template_selections(tmp_path, capsys):
+    path = Path(__file__).resolve().parent.parent / "scripts" / "make_marker_data.py"
+    spec = importlib.util.spec_from_file_location("make_marker_data", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base = ["--synth", str(tmp_path), "--out", str(tmp_path / "out")]
+    for extra, message in ((["--templates", "maker_hq,hq_moon"], "unknown templates ['hq_moon']"),
+                           (["--templates", "maker_hq", "--conversations"], "conversations have no templates")):
+        with pytest.raises(SystemExit):
+            script.main(base + extra)
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_collate_and_loss_ignore_masked_tokens():
