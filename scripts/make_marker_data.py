@@ -17,6 +17,10 @@ answers that end with their document's number.
 ``--templates`` keeps only the traces of those question templates (``{split}-focus-{variant}.jsonl``;
 every question is still built, in order, so each kept trace equals its twin in the full file): the
 third training stage repeats the questions whose last hop is a city or a country.
+
+``--held-out DIR`` drops every question that names an entity of another ``rig synth`` folder's dev or
+test world (counted), so the train split of a second world (``rig synth --seed 1``) can add
+questions without leaking the evaluation's names: the fourth training stage does this.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
 
 from rig_decode.config import ModelConfig, RetrieverConfig
 from rig_decode.eval.datasets import load_dataset
+from rig_decode.eval.synth import held_out_names
 from rig_decode.models.loader import load_tokenizer
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT
 from rig_decode.retrieval.factory import build_retriever
@@ -51,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--conversations", action="store_true", help="multi-turn traces from conversations-{split}.jsonl")
     ap.add_argument("--cite", action="store_true", help="with --conversations: also the citing variant")
     ap.add_argument("--templates", help="comma-separated question templates: write only their traces (a focus set)")
+    ap.add_argument("--held-out", help="a `rig synth` folder whose dev/test entities must stay unseen: "
+                                       "questions naming one are dropped")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
                     help="system message of every trace; the trained adapter records it and sessions use it")
     args = ap.parse_args(argv)
@@ -62,12 +70,18 @@ def main(argv=None) -> int:
         ap.error("--templates selects single-turn questions; conversations have no templates")
     if focus and (unknown := focus - set(PATHS)):
         ap.error(f"unknown templates {sorted(unknown)} (known: {', '.join(PATHS)})")
+    held_out = held_out_names(args.held_out) if args.held_out else set()
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(ModelConfig(name=args.model))
     stats = {}
     retriever = None
     for split in args.splits.split(","):
         records = [json.loads(line) for line in (synth / f"{split}.jsonl").open(encoding="utf-8")]
+        if held_out:
+            kept = [r for r in records if not held_out.intersection(r.get("entities") or ())]
+            print(f"{split}: {len(records) - len(kept)} of {len(records)} questions name a held-out entity "
+                  f"of {args.held_out}: dropped", file=sys.stderr)
+            records = kept
         if retriever is None:
             _, corpus = load_dataset(synth / f"{split}.jsonl")
             retriever = build_retriever(RetrieverConfig(), corpus=corpus)
@@ -81,18 +95,18 @@ def main(argv=None) -> int:
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                    top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
             path = out / f"{split}{'-focus' if focus else ''}-{variant}.jsonl"
-            written = 0
+            written: Counter[str] = Counter()  # kinds of the traces written
             with path.open("w", encoding="utf-8") as f:
                 for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr):
                     trace = builder.build(rec)
                     if trace is not None and (focus is None or rec.get("template") in focus):
                         f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
-                        written += 1
-            stats[path.stem] = {"built": builder.stats.built, "written": written, "skipped": builder.stats.skipped,
-                                "kinds": builder.stats.kinds}
-            print(f"{path}: {written} of {builder.stats.built} traces built, {builder.stats.skipped} skipped, "
-                  f"{builder.stats.kinds}",
-                  file=sys.stderr)
+                        written[trace.kind] += 1
+            n = written.total()
+            stats[path.stem] = {"built": builder.stats.built, "written": n, "skipped": builder.stats.skipped,
+                                "kinds": dict(written)}
+            print(f"{path}: wrote {n} of {builder.stats.built} traces built ({builder.stats.skipped} questions skipped), "
+                  f"{dict(written)}", file=sys.stderr)
     name = "stats-conversations.json" if args.conversations else "stats-focus.json" if focus else "stats.json"
     (out / name).write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({"marker_data": stats}))

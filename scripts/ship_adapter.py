@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     tmp.mkdir(parents=True)
     config = json.loads((src / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = args.model
+    if isinstance(config.get("target_modules"), list):  # peft writes a set: keep diffs of the file quiet
+        config["target_modules"] = sorted(config["target_modules"])
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     # a resized embedding matrix saved beside the adapter (peft's save_embedding_layers) is not
     # needed: the marker rows' trained values are in trainable_tokens_delta

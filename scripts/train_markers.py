@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,11 +31,25 @@ decoder splices after each marker, and answer briefly{tokens}.
 
 * data: `{data}` ({n} traces: {kinds})
 * training: {steps} steps, batch {batch}, lr {lr}, seed {seed}, {seconds:.0f} s on {device}
-* loss: {first:.3f} (first {log_every} steps) -> {last:.3f} (last {log_every})
+* loss: {first:.3f} (first {log_every} steps) -> {last:.3f} (last {log_every}){stages}
 * evaluation: see docs/marker-training.md
 
 Load it with `model: {{name: {model}, adapter: <this folder>}}`.
 """
+
+
+def stage(record: dict) -> dict:
+    """A run's ``training.json`` record, as one line of the stages of the runs that continue it."""
+    losses = record["result"]["losses"]
+    return {"data": record["data"], "traces": record["traces"], "steps": record["config"]["steps"],
+            "lr": record["config"]["lr"], "seconds": round(record["result"]["seconds"]),
+            "loss": [round(losses[0], 3), round(losses[-1], 3)]}
+
+
+def stages_card(stages: list[dict]) -> str:
+    return "\n* stages, each continuing the one before (the last is this run):\n" + "\n".join(
+        f"  {i}. `{s['data']}` ({s['traces']} traces): {s['steps']} steps, lr {s['lr']}, {s['seconds']} s, "
+        f"loss {s['loss'][0]:.3f} -> {s['loss'][1]:.3f}" for i, s in enumerate(stages, 1))
 
 
 def main(argv=None) -> int:
@@ -96,6 +111,11 @@ def main(argv=None) -> int:
     kinds: dict[str, int] = {}
     for t in traces:
         kinds[t["kind"]] = kinds.get(t["kind"], 0) + 1
+    record = {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds}
+    if args.resume and (earlier := Path(args.resume) / "training.json").exists():  # the adapter's lineage
+        before = json.loads(earlier.read_text())
+        record["stages"] = [*before.get("stages", [stage(before)]),
+                            stage({**record, "config": asdict(cfg), "result": asdict(result)})]
     n_layers = model.get_base_model().config.num_hidden_layers
     card = CARD.format(model=args.model, rank=cfg.rank, alpha=cfg.alpha, modules=", ".join(cfg.target_modules),
                        layers=f"{cfg.first_lora_layer(n_layers)}-{n_layers - 1}",
@@ -104,9 +124,10 @@ def main(argv=None) -> int:
                        kinds=", ".join(f"{k} {v}" for k, v in sorted(kinds.items())), steps=cfg.steps,
                        batch=cfg.batch_size, lr=cfg.lr, seed=cfg.seed, seconds=result.seconds,
                        device="CPU" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-                       first=result.losses[0], last=result.losses[-1], log_every=cfg.log_every)
+                       first=result.losses[0], last=result.losses[-1], log_every=cfg.log_every,
+                       stages=stages_card(record["stages"]) if "stages" in record else "")
     out = Path(args.out)
-    save(model, tok, out, cfg, result, {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds})
+    save(model, tok, out, cfg, result, record)
     (out / "README.md").write_text(card)
     # what a session needs to prompt the model the way it was trained (models.loader.adapter_settings)
     settings = {"system_prompt": system_prompt, "marker_style": traces[0]["style"],

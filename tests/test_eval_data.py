@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 from rig_decode.eval.datasets import DatasetError, load_dataset
-from rig_decode.eval.synth import CONVERSATION_KINDS, generate, write
+from rig_decode.eval.synth import CONVERSATION_KINDS, generate, held_out_names, write
 
 
 def test_jsonl_dataset_and_sibling_corpus(tmp_path):
@@ -93,6 +93,14 @@ def test_synthetic_is_seeded_and_has_distractors(tmp_path):
     assert max(brands.values()) >= 2  # product families: same brand, model numbers one digit apart
     default = generate(seed=0)[1]
     assert len(default["test"]) >= 300
+
+
+def test_held_out_names_are_the_dev_and_test_entities(tmp_path):
+    write(tmp_path, seed=2, scale=0.4)
+    names = held_out_names(tmp_path)
+    named = {s: {e for line in (tmp_path / f"{s}.jsonl").read_text().splitlines()
+                 for e in json.loads(line)["entities"] if not e.isdigit()} for s in ("train", "dev", "test")}
+    assert named["dev"] | named["test"] <= names and not named["train"] & names
 
 
 def test_synthetic_conversations_answers_lie_in_their_documents():

@@ -4,7 +4,7 @@ import json
 
 from rig_decode import RigConfig
 from rig_decode.eval.datasets import EvalExample
-from rig_decode.eval.report import write_outputs
+from rig_decode.eval.report import markdown_table, write_outputs
 from rig_decode.eval.runner import EvalRunner, plan
 from rig_decode.retrieval.base import Document
 from rig_decode.config import RetrieverConfig
@@ -154,3 +154,13 @@ def test_redundant_retrieval_counts_turns_whose_documents_were_at_hand():
     assert summary["redundant_retrieval_rate"] == 2 / 3
     assert summary["detail_retrieval_rate"] == 1.0 and summary["clarification_retrieval_rate"] == 0.5
     assert summary["searches_per_conversation"] == 3.0
+
+
+def test_a_table_of_runs_leaves_a_metric_an_older_run_lacks_blank():
+    """compare_evals.py puts results.json files of different versions side by side."""
+    new = {"n": 2, "exact_match": 0.5, "evidence_kept_per_question": 193.0}
+    old = {"n": 2, "exact_match": 0.25}
+    head, _, *rows = markdown_table({"new": new, "old": old}).splitlines()
+    cells = [dict(zip(head.split(" | "), row.split(" | "))) for row in rows]
+    assert [c["EM %"] for c in cells] == ["50.0", "25.0"]
+    assert [c["evidence kept/q"] for c in cells] == ["193", "-"]

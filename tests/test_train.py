@@ -215,3 +215,18 @@ def test_training_starts_from_the_bare_model_not_the_shipped_adapter():
     weights = {n: dict(m.named_parameters())[q] for n, m in (("base", base), ("bare", bare), ("shipped", shipped))}
     assert torch.equal(weights["base"], weights["bare"]) and not torch.equal(weights["base"], weights["shipped"])
     assert type(base.model.layers[29].self_attn.q_proj) is torch.nn.Linear  # plain, trainable (not packed)
+
+
+def test_a_resumed_adapter_lists_every_stage_it_went_through():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train_markers.py"
+    spec = importlib.util.spec_from_file_location("train_markers", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    first = {"data": "a.jsonl", "traces": 10, "config": {"steps": 200, "lr": 3e-4},
+             "result": {"losses": [4.61, 1.0, 0.27], "seconds": 2163.4}}
+    second = {"data": "a.jsonl,b.jsonl", "traces": 30, "config": {"steps": 150, "lr": 1e-4},
+              "result": {"losses": [0.593, 0.241], "seconds": 1229.0}}
+    card = script.stages_card([script.stage(first), script.stage(second)])
+    assert card.splitlines()[2:] == [
+        "  1. `a.jsonl` (10 traces): 200 steps, lr 0.0003, 2163 s, loss 4.610 -> 0.270",
+        "  2. `a.jsonl,b.jsonl` (30 traces): 150 steps, lr 0.0001, 1229 s, loss 0.593 -> 0.241"]

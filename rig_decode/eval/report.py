@@ -40,7 +40,7 @@ COLUMNS = [
 def markdown_table(summary: dict[str, dict]) -> str:
     head = "| method | " + " | ".join(c[1] for c in COLUMNS) + " |"
     sep = "|---|" + "---:|" * len(COLUMNS)
-    rows = [f"| {label} | " + " | ".join(fmt(m[key]) for key, _, fmt in COLUMNS) + " |"
+    rows = [f"| {label} | " + " | ".join(fmt(m.get(key)) for key, _, fmt in COLUMNS) + " |"  # "-": an older run lacks it
             for label, m in summary.items()]
     return "\n".join([head, sep, *rows])
 

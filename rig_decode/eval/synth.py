@@ -279,3 +279,15 @@ def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, per_hop: dict[
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
         counts[f"conversations-{split}"] = len(chats[split])
     return counts
+
+
+def held_out_names(out_dir: str | Path) -> set[str]:
+    """Names of the entities of a ``rig synth`` folder's dev and test worlds (the titles of their
+    documents): what training on another world must not mention."""
+    names = set()
+    with (Path(out_dir) / "corpus.jsonl").open(encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)
+            if doc["metadata"]["split"] != "train":
+                names.add(doc["title"])
+    return names
