@@ -70,6 +70,8 @@ def main(argv=None) -> int:
         ap.error("--templates selects single-turn questions; conversations have no templates")
     if focus and (unknown := focus - set(PATHS)):
         ap.error(f"unknown templates {sorted(unknown)} (known: {', '.join(PATHS)})")
+    if args.held_out and not (Path(args.held_out) / "corpus.jsonl").is_file():
+        ap.error(f"--held-out {args.held_out}: no corpus.jsonl there; give the folder `rig synth` wrote")
     held_out = held_out_names(args.held_out) if args.held_out else set()
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(ModelConfig(name=args.model))

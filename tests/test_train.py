@@ -115,14 +115,15 @@ def _contains(seq: list[int], run: list[int]) -> bool:
     return any(seq[k:k + len(run)] == run for k in range(len(seq) - len(run) + 1))
 
 
-def test_make_marker_data_rejects_bad_template_selections(tmp_path, capsys):
+def test_make_marker_data_rejects_bad_selections(tmp_path, capsys):
     path = Path(__file__).resolve().parent.parent / "scripts" / "make_marker_data.py"
     spec = importlib.util.spec_from_file_location("make_marker_data", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     base = ["--synth", str(tmp_path), "--out", str(tmp_path / "out")]
     for extra, message in ((["--templates", "maker_hq,hq_moon"], "unknown templates ['hq_moon']"),
-                           (["--templates", "maker_hq", "--conversations"], "conversations have no templates")):
+                           (["--templates", "maker_hq", "--conversations"], "conversations have no templates"),
+                           (["--held-out", str(tmp_path / "nowhere")], "no corpus.jsonl there")):
         with pytest.raises(SystemExit):
             script.main(base + extra)
         assert message in capsys.readouterr().err
