@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,6 +23,17 @@ _CORPUS = [
     "No evidence available.",
     "Grüße aus Köln — naïve café, 東京 and emoji 🚀 text.",
 ] * 4
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str):
+    """A script of the repository (``scripts/...``, ``bench/...``) imported as a module."""
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

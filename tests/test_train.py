@@ -1,8 +1,5 @@
 """Marker training: traces equal what the decoder splices; the loss sees only what the model writes."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,7 +17,7 @@ from rig_decode.train.lora import (  # noqa: E402
     IGNORE, TrainConfig, _stop_backprop_below, add_marker_tokens, collate, forward_loss, masked_loss, train, wrap_lora,
 )
 
-from .helpers import tiny_model, tiny_tokenizer  # noqa: E402
+from .helpers import load_script, tiny_model, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +113,7 @@ def _contains(seq: list[int], run: list[int]) -> bool:
 
 
 def test_make_marker_data_rejects_bad_selections(tmp_path, capsys):
-    path = Path(__file__).resolve().parent.parent / "scripts" / "make_marker_data.py"
-    spec = importlib.util.spec_from_file_location("make_marker_data", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/make_marker_data.py")
     base = ["--synth", str(tmp_path), "--out", str(tmp_path / "out")]
     for extra, message in ((["--templates", "maker_hq,hq_moon"], "unknown templates ['hq_moon']"),
                            (["--templates", "maker_hq", "--conversations"], "conversations have no templates"),
@@ -219,10 +213,7 @@ def test_training_starts_from_the_bare_model_not_the_shipped_adapter():
 
 
 def test_a_resumed_adapter_lists_every_stage_it_went_through():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "train_markers.py"
-    spec = importlib.util.spec_from_file_location("train_markers", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/train_markers.py")
     first = {"data": "a.jsonl", "traces": 10, "config": {"steps": 200, "lr": 3e-4},
              "result": {"losses": [4.61, 1.0, 0.27], "seconds": 2163.4}}
     second = {"data": "a.jsonl,b.jsonl", "traces": 30, "config": {"steps": 150, "lr": 1e-4},

@@ -21,7 +21,7 @@ from rig_decode.engine.vllm_api import LOGITS_PROCESSOR, VllmMissingError, engin
 from rig_decode.engine.vllm_logits import EXTRA_ARGS_KEY, MarkerLogitsState, MarkerRules
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
-from .helpers import ScriptedRetriever
+from .helpers import ScriptedRetriever, load_script
 from .test_exactness import PROMPTS, _script
 from .test_remote import _engine, _generate
 from .vllm_helpers import FakeAsyncLLM, SamplingParams, StandInMarkerProcessor, TokensPrompt, fake_api
@@ -344,12 +344,7 @@ def test_rig_ask_without_vllm_says_what_to_install():
 # -- bench/vllm_gpu.py --------------------------------------------------------------------------------
 
 def _bench_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_vllm_gpu", ROOT / "bench" / "vllm_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/vllm_gpu.py")
 
 
 def test_bench_runs_its_three_modes_on_the_stand_in(model, tok, monkeypatch):

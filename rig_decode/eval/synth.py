@@ -23,6 +23,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..retrieval.ingest import load_documents
+
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr", "gl"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
 _CODAS = ["", "", "n", "r", "s", "l", "k", "th"]
@@ -284,10 +286,4 @@ def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, per_hop: dict[
 def held_out_names(out_dir: str | Path) -> set[str]:
     """Names of the entities of a ``rig synth`` folder's dev and test worlds (the titles of their
     documents): what training on another world must not mention."""
-    names = set()
-    with (Path(out_dir) / "corpus.jsonl").open(encoding="utf-8") as f:
-        for line in f:
-            doc = json.loads(line)
-            if doc["metadata"]["split"] != "train":
-                names.add(doc["title"])
-    return names
+    return {d.title for d in load_documents(Path(out_dir) / "corpus.jsonl") if d.metadata["split"] != "train"}
