@@ -212,15 +212,6 @@ def prefill(model, prompts: list[list[int]]) -> tuple[HFModelRunner, torch.Tenso
     return runner, runner.step(runner.add_rows(prompts, share_prefix=False))
 
 
-def rollback(runner: HFModelRunner, n: int, had_holes: bool) -> None:
-    """Drop the last ``n`` columns (what one hop added to a lone row), so every repeat splices into
-    the same context."""
-    runner.cache.crop(-n)
-    runner.attn = runner.attn[:, :-n]
-    runner.lengths = [x - n for x in runner.lengths]
-    runner.has_holes = had_holes
-
-
 class Bench:
     def __init__(self, shapes: Shapes, device: torch.device, dtype: torch.dtype, quant, report: Report):
         self.shapes, self.device, self.dtype, self.quant, self.report = shapes, device, dtype, quant, report
@@ -301,8 +292,7 @@ class Bench:
         ctx = random_ids(self.gen, self.vocab, context)
         new = random_ids(self.gen, self.vocab, 1 + self.shapes.evidence)  # the marker's last token, the evidence
         runner, _ = prefill(self.model, [ctx])
-        clean = runner.has_holes
-        undo = lambda: rollback(runner, len(new), clean)  # noqa: E731
+        undo = lambda: runner.drop_last(len(new))  # noqa: E731  (every repeat splices into the same context)
         splice = self.clock.median_ms(lambda: runner.step([new]), self.shapes.repeats, reset=undo)
         r.add("evidence prefill", f"{len(new)} tokens, {context} ctx", len(new) * 1e3 / splice, "tokens/s",
               "evidence_prefill_tok_s", context)

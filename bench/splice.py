@@ -43,12 +43,6 @@ def _ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _rollback(runner: HFModelRunner, n: int) -> None:
-    runner.cache.crop(-n)
-    runner.attn = runner.attn[:, :-n]
-    runner.lengths = [x - n for x in runner.lengths]
-
-
 def bench_context(model, tok, vocab, context: int, evidence: int, repeats: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     marker = vocab.marker_token_ids("error E1234 fixed in release")
@@ -105,7 +99,7 @@ def bench_context(model, tok, vocab, context: int, evidence: int, repeats: int, 
         seq = fresh_sequence()
         times["splice"].append(_ms(lambda: splice(seq)))
         assert runner.lengths[0] == context + n_new
-        _rollback(runner, n_new)
+        runner.drop_last(n_new)
 
     def timed_floor():
         times["floor"].append(_ms(floor))

@@ -154,3 +154,65 @@ def test_buffered_layer_behaves_like_dynamic_layer():
     buffered.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
     assert torch.equal(installed, snapshot), "an installed tensor was written to"
     assert buffered.get_seq_length() == 11 and torch.equal(buffered.keys[:, :, :10], installed)
+
+
+def test_rows_write_their_own_columns():
+    """Every row writes at its own next column: a row splicing an evidence block leaves the other
+    rows' cache untouched (no copy, no hole columns for them), a row behind the widest one decodes
+    into its own spare columns without widening the cache, a parked row keeps its place, and each
+    row's logits still equal a fresh prefill of its tokens."""
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    from .helpers import tiny_model
+
+    model = tiny_model(600)
+    gen = torch.Generator().manual_seed(11)
+    rows = [torch.randint(3, 600, (n,), generator=gen).tolist() for n in (30, 20)]
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill(rows)
+
+    def fresh(ids):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+    def step(feed):
+        logits = runner.step(feed)
+        for i, new in enumerate(feed):
+            rows[i] += new
+            if new:
+                torch.testing.assert_close(logits[i], fresh(rows[i]), atol=1e-4, rtol=1e-4)
+
+    before = [layer.keys[1].clone() for layer in runner.cache.layers]
+    step([torch.randint(3, 600, (12,), generator=gen).tolist(), [7]])  # row 0 splices, row 1 decodes
+    assert runner.num_columns == 42 and runner.ends == [42, 31]
+    for layer, old in zip(runner.cache.layers, before):
+        assert torch.equal(layer.keys[1, :, :30], old), "a splice wrote into another row's columns"
+    for t in range(5):
+        step([[5 + t], [9 + t]])
+    assert runner.num_columns == 47 and runner.ends == [47, 36]  # row 1 filled its own holes
+    step([[], [4]])  # row 0 parked
+    assert runner.lengths == [47, 27] and runner.ends == [47, 37]
+    step([[8], [6]])
+    runner.compact(force=True)  # nothing to drop: row 0 fills every column
+    assert runner.num_columns == 48 and runner.lengths == [48, 28] and runner.ends == [48, 38]
+    step([[3], [3]])
+
+
+def test_drop_last_forgets_the_last_tokens_of_aligned_rows_only():
+    """What benchmarks use to repeat a step over the same context."""
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    from .helpers import tiny_model
+
+    model = tiny_model(600)
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([[5, 6, 7, 8]])
+    first = runner.step([[9, 10]])
+    runner.drop_last(2)
+    assert runner.lengths == [4] and runner.num_columns == 4
+    torch.testing.assert_close(runner.step([[9, 10]]), first)
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([[5, 6, 7, 8], [5, 6]])
+    runner.step([[9, 10], [11]])  # row 1's last two tokens are not the last two columns
+    with pytest.raises(ValueError, match="cannot drop the last 2 tokens"):
+        runner.drop_last(2)

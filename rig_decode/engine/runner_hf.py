@@ -3,25 +3,34 @@
 Every step each row feeds the tokens it has pending: one sampled token when decoding, the
 marker-completing token plus a whole evidence block after a hop (a prefill at an offset, never one
 token per step), a whole prompt when it has just joined, or nothing while it waits for evidence.
-Rows are left-padded to the longest pending list, so every row's last real token sits in the last
-column and one ``logits_to_keep=1`` head call serves all of them.
 
-Padding leaves holes in the cache columns. The runner keeps a 2-D attention mask over all columns
-(0 for holes) and passes explicit per-row ``position_ids`` that count real tokens only, so each row
-computes exactly what it would compute alone: that is the splice == re-prefill invariant. While no
-row has a hole the mask is dropped and attention takes its plain causal path. Keys carry their
-rotary position already, so attention does not care which column holds a key: ``compact`` moves
-every row's tokens to the right end and drops the columns that became all holes.
+Each row owns its line of cache columns and writes at its own next column (``ends``): a row's
+tokens sit in token order from the left, and the columns after its last token are its own spare
+room. The runner keeps a 2-D attention mask over all columns (0 for holes) and passes explicit
+per-row ``position_ids`` that count real tokens only, so each row computes exactly what it would
+compute alone: that is the splice == re-prefill invariant. While no row has a hole the mask is
+dropped and attention takes its plain causal path.
 
-When some rows feed many tokens while others feed one, padding the one-token rows would multiply
-the step's work. Such a step runs as two forwards: every row's first pending token over the whole
-batch (a plain decode step), then the long rows' remaining tokens over a copy of just their cache
-rows, whose new columns are written back (holes elsewhere).
+* A decode step (one token per row, none for a parked row) writes every row's key and value at
+  that row's next column in place (``BufferedLayer.write_cols``) under an explicit per-row mask, so
+  a row behind the longest one fills its own spare columns and the cache widens only when its
+  widest row grows.
+* When some rows feed many tokens while others feed one, padding the one-token rows would
+  multiply the step's work. Such a step runs as two forwards: every row's first pending token (a
+  decode step as above), then the long rows' remaining tokens over a copy of just their cache rows;
+  their new keys and values go to each long row's next columns. An evidence splice touches no other
+  row: no copy of the batch's cache, and no hole columns for the rows that did not splice.
+* A batch's first prompts (an empty cache), or a step in which every row feeds the same number of
+  tokens, go in one left-padded forward as new right-hand columns.
+
+Keys carry their rotary position already, so attention does not care which column holds a key.
+Holes no row will fill (left padding of first prompts, evicted spans) are dropped by ``compact``,
+which moves every row's tokens to the left end, once they are a quarter of the columns.
 
 The cache's layers keep their keys and values in buffers with spare columns (``BufferedLayer``): a
-decode step writes its column in place, where a plain ``DynamicCache`` concatenates, i.e. copies
-(and page-faults in fresh memory for) the whole cache every step; at 16 rows x 1,000 columns that
-copy was a third of the step on CPU.
+write lands in place, where a plain ``DynamicCache`` concatenates, i.e. copies (and page-faults in
+fresh memory for) the whole cache every step; at 16 rows x 1,000 columns that copy was a third of
+the step on CPU.
 
 A row can drop a span of its tokens (``evict``): the span's columns become holes and the keys after
 it are rotated back by the span's length (``kernels.rope_shift_layers_``), so the row's positions stay
@@ -36,7 +45,11 @@ pending tokens are fed after them. Nothing of the staged tokens goes through the
 
 Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
 it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
-starts the same way, so a new row is seeded with the longest common prefix and prefills the rest.
+starts the same way, so a new row is seeded (at its left) with the longest common prefix and
+prefills the rest.
+
+Only full-attention models are served (every cache layer a ``BufferedLayer``): a sliding window
+would count hole columns as tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +77,8 @@ class BufferedLayer(DynamicLayer):
         super().__init__()
         self._k = self._v = None
         self._nk = self._nv = 0
+        self.write_cols: torch.Tensor | None = None  # set by the runner for a per-row decode step
+        self.write_width = 0
 
     @staticmethod
     def _view(buf, n):
@@ -89,20 +104,40 @@ class BufferedLayer(DynamicLayer):
     def values(self, t):
         self._v, self._nv = t, self._width(t)
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, w = self._nk, key_states.shape[-2]
-        if self._width(self._k) < n + w or self._k.shape[0] != key_states.shape[0]:
-            cap = n + w + max(self.MIN_SPARE, int((n + w) * self.HEADROOM))
-            k, v = (key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3]) for _ in range(2))
+    def reserve(self, width: int, like: torch.Tensor, zero: bool = True) -> None:
+        """Make the layer ``width`` columns wide (new columns zeroed unless ``zero`` is off), moving
+        to a larger buffer when this one has no room. ``like``: a tensor of the new columns' batch,
+        heads, dtype and head size."""
+        n = self._nk
+        if self._width(self._k) < width or self._k.shape[0] != like.shape[0]:
+            cap = width + max(self.MIN_SPARE, int(width * self.HEADROOM))
+            k, v = (like.new_empty(*like.shape[:2], cap, like.shape[3]) for _ in range(2))
             if n:
                 k[:, :, :n], v[:, :, :n] = self.keys, self.values
             self._k, self._v = k, v
+        if zero and width > n:
+            self._k[:, :, n:width] = 0
+            self._v[:, :, n:width] = 0
+        self._nk = self._nv = max(n, width)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.write_cols is not None:  # one token per row, each at its own column
+            self.reserve(self.write_width, key_states)
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            self._k[rows, :, self.write_cols] = key_states[:, :, 0]
+            self._v[rows, :, self.write_cols] = value_states[:, :, 0]
+            return self.keys, self.values
+        n, w = self._nk, key_states.shape[-2]
+        self.reserve(n + w, key_states, zero=False)
         self._k[:, :, n : n + w] = key_states
         self._v[:, :, n : n + w] = value_states
-        self._nk = self._nv = n + w
         return self.keys, self.values
+
+    def truncate(self, width: int) -> None:
+        """Drop every column from ``width`` on (a view: nothing is copied)."""
+        self._nk = self._nv = min(self._nk, width)
 
     def get_seq_length(self) -> int:
         return self._nk
@@ -117,7 +152,7 @@ def new_cache(config) -> DynamicCache:
 
 class HFModelRunner:
     MIN_SHARED_PREFIX = 16
-    COMPACT_AT = 0.25  # compact once this share of the cache's slots are holes
+    COMPACT_AT = 0.25  # compact once this share of the columns can go (holes no row will fill)
 
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id = model, pad_id
@@ -125,6 +160,7 @@ class HFModelRunner:
         self.cache: DynamicCache | None = None
         self.attn: torch.Tensor | None = None  # [B, columns], 1 = real token
         self.lengths: list[int] = []  # real tokens each row has in the cache
+        self.ends: list[int] = []  # each row's next free column: one past its last real token
         self.has_holes = False
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._inv_freq: torch.Tensor | None = None
@@ -148,8 +184,13 @@ class HFModelRunner:
 
     def reset(self, batch_size: int = 0) -> None:
         self.cache = new_cache(self.model.config)
+        other = {type(layer).__name__ for layer in self.cache.layers if not isinstance(layer, BufferedLayer)}
+        if other:
+            raise ValueError(f"the runner serves full-attention models only; this one has {', '.join(sorted(other))} "
+                             "cache layers (sliding-window or linear attention)")
         self.attn = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = [0] * batch_size
+        self.ends = [0] * batch_size
         self.has_holes = False
 
     # -- adding rows --------------------------------------------------------------------------------
@@ -168,7 +209,7 @@ class HFModelRunner:
         if self.cache is None:
             self.reset(0)
         if not share_prefix:
-            self._grow(len(prompts), left=0)
+            self._grow(len(prompts), columns=0)
             self.has_holes = self.has_holes or not bool(self.attn.all())
             return [list(p) for p in prompts]
         # The part all new prompts share (a lone prompt: all of it but the last token) becomes the
@@ -179,19 +220,18 @@ class HFModelRunner:
         seeds = [min(self._cached(p), len(p) - 1) for p in prompts]  # every row feeds >= 1 token
         seeds = [n if n >= self.MIN_SHARED_PREFIX else 0 for n in seeds]
         first, n_new, width = self.batch_size, len(prompts), max(seeds)
-        self._grow(n_new, left=max(0, width - self.num_columns))
-        if width:
-            cols = self.num_columns
+        self._grow(n_new, columns=max(0, width - self.num_columns))
+        if width:  # a new row starts at the left, like every row
             for layer, (k, v) in zip(self.cache.layers, self._prefix[1]):
                 keys, values = layer.keys, layer.values
                 for j, n in enumerate(seeds):
                     if n:
-                        keys[first + j, :, cols - n :] = k[0, :, :n]
-                        values[first + j, :, cols - n :] = v[0, :, :n]
+                        keys[first + j, :, :n] = k[0, :, :n]
+                        values[first + j, :, :n] = v[0, :, :n]
             for j, n in enumerate(seeds):
                 if n:
-                    self.attn[first + j, cols - n :] = 1
-                    self.lengths[first + j] = n
+                    self.attn[first + j, :n] = 1
+                    self.lengths[first + j] = self.ends[first + j] = n
         self.has_holes = self.has_holes or not bool(self.attn.all())
         return [p[n:] for p, n in zip(prompts, seeds)]
 
@@ -212,21 +252,22 @@ class HFModelRunner:
                    cache=one, use_cache=True, logits_to_keep=1)
         self._prefix = (list(ids), [(layer.keys, layer.values) for layer in one.layers])
 
-    def _grow(self, rows: int, left: int) -> None:
-        """Add ``rows`` rows of holes, and ``left`` hole columns in front of every row."""
-        if rows == 0 and left == 0:
+    def _grow(self, rows: int, columns: int) -> None:
+        """Add ``rows`` rows of holes, and ``columns`` hole columns at the right of every row."""
+        if rows == 0 and columns == 0:
             return
         if self.cache.get_seq_length() == 0:  # nothing cached yet: no tensors to grow
-            if left:
-                self._materialise(self.batch_size + rows, left)
+            if columns:
+                self._materialise(self.batch_size + rows, columns)
             else:
                 self.attn = torch.zeros(self.batch_size + rows, 0, dtype=torch.long, device=self.device)
         else:
             for layer in self.cache.layers:
-                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, left, 0, 0, 0, 0, rows))
-                layer.values = torch.nn.functional.pad(layer.values, (0, 0, left, 0, 0, 0, 0, rows))
-            self.attn = torch.nn.functional.pad(self.attn, (left, 0, 0, rows))
+                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, columns, 0, 0, 0, rows))
+                layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, columns, 0, 0, 0, rows))
+            self.attn = torch.nn.functional.pad(self.attn, (0, columns, 0, rows))
         self.lengths += [0] * rows
+        self.ends += [0] * rows
 
     def _materialise(self, batch: int, columns: int) -> None:
         k0, v0 = self._prefix[1][0]
@@ -282,33 +323,37 @@ class HFModelRunner:
         return logits
 
     def _append_staged(self, staged, widths: dict[int, int]) -> None:
-        """Copy staged KV into new right-hand columns of its rows (holes elsewhere), keys rotated
-        from piece-local positions to the row's next positions."""
-        width, cols0 = max(widths.values()), self.num_columns
+        """Copy staged KV into each staged row's next columns, keys rotated from piece-local
+        positions to the row's next positions."""
+        width = max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
         rows_idx, cols_idx, shift = [], [], []
         for i, (_, local) in staged.items():
-            n = widths[i]
+            n, end = widths[i], self.ends[i]
             rows_idx.append(torch.full((n,), i, dtype=torch.long))
-            cols_idx.append(torch.arange(cols0 + width - n, cols0 + width))
+            cols_idx.append(torch.arange(end, end + n))
             shift.append(local.float().cpu() + self.lengths[i])
         rows_idx, cols_idx = torch.cat(rows_idx).to(self.device), torch.cat(cols_idx).to(self.device)
         shift = torch.cat(shift).to(self.device)
         for li, layer in enumerate(self.cache.layers):
-            keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, width))
-            values = torch.nn.functional.pad(layer.values, (0, 0, 0, width))
+            layer.reserve(width, layer.keys)
             for i, (kv, _) in staged.items():
-                n = widths[i]
-                keys[i, :, cols0 + width - n :] = kv[li][0][0]
-                values[i, :, cols0 + width - n :] = kv[li][1][0]
-            layer.keys, layer.values = keys, values
+                n, end = widths[i], self.ends[i]
+                layer.keys[i, :, end : end + n] = kv[li][0][0]
+                layer.values[i, :, end : end + n] = kv[li][1][0]
         rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
                            self._rope_inv_freq())
-        block = torch.zeros((self.batch_size, width), dtype=torch.long, device=self.device)
-        for i, n in widths.items():
-            block[i, width - n :] = 1
+        self._mark_written({i: n for i, n in widths.items()}, width)
+
+    def _mark_written(self, counts: dict[int, int], width: int) -> None:
+        """Rows ``i`` now hold ``counts[i]`` more real tokens at their next columns; the cache is
+        ``width`` columns wide."""
+        if width > self.num_columns:
+            self.attn = torch.nn.functional.pad(self.attn, (0, width - self.num_columns))
+        for i, n in counts.items():
+            self.attn[i, self.ends[i] : self.ends[i] + n] = 1
             self.lengths[i] += n
-        self.attn = torch.cat([self.attn, block], dim=1)
-        self.has_holes = self.has_holes or not bool(block.all())
+            self.ends[i] += n
+        self.has_holes = not bool(self.attn.all())
 
     def _inputs(self, rows: list[list[int]], lengths: list[int]):
         """Left-padded ids, the new mask columns and per-row positions for one forward."""
@@ -326,16 +371,40 @@ class HFModelRunner:
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
     def _forward_all(self, rows: list[list[int]]) -> torch.Tensor:
+        """Feed every row its tokens as new right-hand columns (left-padded)."""
+        if self.cache.get_seq_length() and max(len(r) for r in rows) == 1 and (self.has_holes or not all(rows)):
+            return self._decode_in_place(rows)
         ids, new_mask, pos = self._inputs(rows, self.lengths)
         self.has_holes = self.has_holes or not bool(new_mask.all())
         self.attn = torch.cat([self.attn, new_mask], dim=1)
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
+        self.ends = [self.num_columns if r else e for e, r in zip(self.ends, rows)]
         out = self.model(input_ids=ids, attention_mask=self.attn if self.has_holes else None,
                          position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
+    def _decode_in_place(self, rows: list[list[int]]) -> torch.Tensor:
+        """One token per row (none for a parked row), each written at its row's next column: the
+        cache widens only when its widest row grows, and a row behind fills its own holes."""
+        cols = list(self.ends)  # a parked row feeds a pad token there, left unmarked (a hole)
+        width = max(self.num_columns, max(cols) + 1)
+        ids = torch.tensor([[r[0] if r else self.pad_id] for r in rows], device=self.device)
+        pos = torch.tensor([[n] for n in self.lengths], device=self.device)
+        self._mark_written({i: 1 for i, r in enumerate(rows) if r}, width)
+        write = torch.tensor(cols, device=self.device)
+        for layer in self.cache.layers:
+            layer.write_cols, layer.write_width = write, width
+        try:
+            out = self.model(input_ids=ids, attention_mask=self.attn.bool()[:, None, None, :], position_ids=pos,
+                             cache=self.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for layer in self.cache.layers:
+                layer.write_cols = None
+        return out.logits[:, -1, :].float()
+
     def _forward_rows(self, idx: list[int], rows: list[list[int]]) -> torch.Tensor:
-        """Forward some rows only, over a copy of their cache; the others get hole columns."""
+        """Forward some rows only, over a copy of their cache; their new keys and values then go
+        to each row's next columns of the shared cache (the other rows are not touched)."""
         index = torch.tensor(idx, dtype=torch.long, device=self.device)
         sub = new_cache(self.model.config)
         for layer, full in zip(sub.layers, self.cache.layers):
@@ -345,18 +414,14 @@ class HFModelRunner:
         ids, new_mask, pos = self._inputs(rows, [self.lengths[i] for i in idx])
         out = self.model(input_ids=ids, attention_mask=torch.cat([self.attn[index], new_mask], dim=1),
                          position_ids=pos, cache=sub, use_cache=True, logits_to_keep=1)
-        width = ids.shape[1]
+        width = max(self.num_columns, *(self.ends[i] + len(r) for i, r in zip(idx, rows)))
         for layer, full in zip(sub.layers, self.cache.layers):
-            for name in ("keys", "values"):
-                grown = torch.nn.functional.pad(getattr(full, name), (0, 0, 0, width))
-                grown[index, :, -width:] = getattr(layer, name)[:, :, -width:]
-                setattr(full, name, grown)
-        block = torch.zeros((self.batch_size, width), dtype=torch.long, device=self.device)
-        block[index] = new_mask
-        self.attn = torch.cat([self.attn, block], dim=1)
-        self.has_holes = True
-        for i, r in zip(idx, rows):
-            self.lengths[i] += len(r)
+            full.reserve(width, full.keys)
+            for j, (i, r) in enumerate(zip(idx, rows)):
+                n, end = len(r), self.ends[i]
+                full.keys[i, :, end : end + n] = layer.keys[j, :, -n:]
+                full.values[i, :, end : end + n] = layer.values[j, :, -n:]
+        self._mark_written({i: len(r) for i, r in zip(idx, rows)}, width)
         return out.logits[:, -1, :].float()
 
     def _rope_inv_freq(self) -> torch.Tensor:
@@ -384,6 +449,19 @@ class HFModelRunner:
         self.lengths[row] = n - (end - start)
         self.has_holes = True
 
+    def drop_last(self, n: int) -> None:
+        """Forget every row's last ``n`` tokens, which must be its last ``n`` columns (a lone row,
+        or rows that all fed the same number of tokens since): benchmarks repeat a step this way."""
+        width = self.num_columns - n
+        if n < 1 or width < 0 or any(e != self.num_columns for e in self.ends) or not bool(self.attn[:, width:].all()):
+            raise ValueError(f"cannot drop the last {n} tokens: they are not every row's last {n} columns")
+        for layer in self.cache.layers:
+            layer.truncate(width)
+        self.attn = self.attn[:, :width]
+        self.lengths = [x - n for x in self.lengths]
+        self.ends = [width] * self.batch_size
+        self.has_holes = not bool(self.attn.all())
+
     def select(self, keep: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch and free their cache)."""
         if keep == list(range(self.batch_size)):
@@ -393,22 +471,30 @@ class HFModelRunner:
             self.cache.batch_select_indices(idx)
         self.attn = self.attn.index_select(0, idx)
         self.lengths = [self.lengths[i] for i in keep]
+        self.ends = [self.ends[i] for i in keep]
         if not keep:
             self.reset(0)
             return
-        self.compact(force=True)
+        width = max(self.ends)  # columns past every row's last token: dropped without a copy
+        if width < self.num_columns:
+            for layer in self.cache.layers:
+                layer.truncate(width)
+            self.attn = self.attn[:, :width]
+        self.has_holes = not bool(self.attn.all())
+        self.compact()
 
     def compact(self, force: bool = False) -> None:
-        """Right-align every row's tokens and drop the columns left empty (when holes pass
-        ``COMPACT_AT`` of the slots, or always with ``force``)."""
+        """Left-align every row's tokens and drop the columns left empty (when they are
+        ``COMPACT_AT`` of the columns, or always with ``force``). Holes behind a row shorter than the
+        longest are not removable: that row fills them as it decodes."""
         if not self.batch_size or not self.num_columns:
             return
-        holes = self.num_slots - sum(self.lengths)
-        if holes == 0 or (not force and holes < self.COMPACT_AT * self.num_slots):
-            return
         width = max(self.lengths)
-        # For each row, the source column of each target column (right-aligned), 0 for holes.
-        order = torch.argsort(self.attn, dim=1, stable=True)[:, -width:]  # real columns last, in order
+        spare = self.num_columns - width
+        if spare == 0 or (not force and spare < self.COMPACT_AT * self.num_columns):
+            return
+        # For each row, the source column of each target column: real columns first, in order.
+        order = torch.argsort(self.attn, dim=1, descending=True, stable=True)[:, :width]
         new_mask = torch.gather(self.attn, 1, order)
         gather = order[:, None, :, None]
         for layer in self.cache.layers:
@@ -416,6 +502,7 @@ class HFModelRunner:
             layer.keys = torch.gather(layer.keys, 2, g)
             layer.values = torch.gather(layer.values, 2, g)
         self.attn = new_mask
+        self.ends = list(self.lengths)
         self.has_holes = not bool(new_mask.all())
 
 
