@@ -156,16 +156,18 @@ def test_buffered_layer_behaves_like_dynamic_layer():
     assert buffered.get_seq_length() == 11 and torch.equal(buffered.keys[:, :, :10], installed)
 
 
-def test_rows_write_their_own_columns():
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_rows_write_their_own_columns(attention):
     """Every row writes at its own next column: a row splicing an evidence block leaves the other
     rows' cache untouched (no copy, no hole columns for them), a row behind the widest one decodes
     into its own spare columns without widening the cache, a parked row keeps its place, and each
-    row's logits still equal a fresh prefill of its tokens."""
+    row's logits still equal a fresh prefill of its tokens - whichever attention builds the mask."""
     from rig_decode.engine.runner_hf import HFModelRunner
 
     from .helpers import tiny_model
 
     model = tiny_model(600)
+    model.set_attn_implementation(attention)
     gen = torch.Generator().manual_seed(11)
     rows = [torch.randint(3, 600, (n,), generator=gen).tolist() for n in (30, 20)]
     runner = HFModelRunner(model, pad_id=0)

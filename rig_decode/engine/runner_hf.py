@@ -135,6 +135,11 @@ class BufferedLayer(DynamicLayer):
         self._v[:, :, n : n + w] = value_states
         return self.keys, self.values
 
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.write_cols is not None:  # the mask covers the columns ``update`` will return
+            return self.write_width, 0
+        return super().get_mask_sizes(query_length)
+
     def truncate(self, width: int) -> None:
         """Drop every column from ``width`` on (a view: nothing is copied)."""
         self._nk = self._nv = min(self._nk, width)
@@ -385,7 +390,9 @@ class HFModelRunner:
 
     def _decode_in_place(self, rows: list[list[int]]) -> torch.Tensor:
         """One token per row (none for a parked row), each written at its row's next column: the
-        cache widens only when its widest row grows, and a row behind fills its own holes."""
+        cache widens only when its widest row grows, and a row behind fills its own holes. The
+        query sits after every column (the layers report the written width as the mask's), so the
+        padding mask alone decides what each row sees."""
         cols = list(self.ends)  # a parked row feeds a pad token there, left unmarked (a hole)
         width = max(self.num_columns, max(cols) + 1)
         ids = torch.tensor([[r[0] if r else self.pad_id] for r in rows], device=self.device)
@@ -395,8 +402,8 @@ class HFModelRunner:
         for layer in self.cache.layers:
             layer.write_cols, layer.write_width = write, width
         try:
-            out = self.model(input_ids=ids, attention_mask=self.attn.bool()[:, None, None, :], position_ids=pos,
-                             cache=self.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, attention_mask=self.attn, position_ids=pos, cache=self.cache,
+                             use_cache=True, logits_to_keep=1)
         finally:
             for layer in self.cache.layers:
                 layer.write_cols = None
