@@ -12,7 +12,7 @@ compute alone: that is the splice == re-prefill invariant. While no row has a ho
 dropped and attention takes its plain causal path.
 
 * A decode step (one token per row, none for a parked row) writes every row's key and value at
-  that row's next column in place (``BufferedLayer.write_cols``) under an explicit per-row mask, so
+  that row's next column in place (``BufferedLayer.write_cols``) under the padding mask, so
   a row behind the longest one fills its own spare columns and the cache widens only when its
   widest row grows.
 * When some rows feed many tokens while others feed one, padding the one-token rows would
@@ -376,7 +376,8 @@ class HFModelRunner:
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
     def _forward_all(self, rows: list[list[int]]) -> torch.Tensor:
-        """Feed every row its tokens as new right-hand columns (left-padded)."""
+        """Feed every row its tokens: a decode step over a cache with holes (or a parked row) in
+        place, anything else as new right-hand columns (left-padded)."""
         if self.cache.get_seq_length() and max(len(r) for r in rows) == 1 and (self.has_holes or not all(rows)):
             return self._decode_in_place(rows)
         ids, new_mask, pos = self._inputs(rows, self.lengths)
