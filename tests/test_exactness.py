@@ -218,3 +218,25 @@ def test_drop_last_forgets_the_last_tokens_of_aligned_rows_only():
     runner.step([[9, 10], [11]])  # row 1's last two tokens are not the last two columns
     with pytest.raises(ValueError, match="cannot drop the last 2 tokens"):
         runner.drop_last(2)
+
+
+def test_a_row_leaving_leaves_the_cache_as_wide_as_the_longest_row():
+    """The KV budget counts rows x the widest request, so when a row leaves, the columns only it
+    needed go, and so do the leading holes the batch's first prompts left."""
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    from .helpers import tiny_model
+
+    model = tiny_model(600)
+    gen = torch.Generator().manual_seed(12)
+    rows = [torch.randint(3, 600, (n,), generator=gen).tolist() for n in (130, 10, 100)]
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill(rows)
+    runner.step([[5], [6], [7]])
+    runner.select([1, 2])
+    assert runner.lengths == [11, 101] and runner.num_columns == 101
+    logits = runner.step([[8], [9]])
+    for got, ids in zip(logits, (rows[1] + [6, 8], rows[2] + [7, 9])):
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -5,27 +5,29 @@ marker-completing token plus a whole evidence block after a hop (a prefill at an
 token per step), a whole prompt when it has just joined, or nothing while it waits for evidence.
 
 Each row owns its line of cache columns and writes at its own next column (``ends``): a row's
-tokens sit in token order from the left, and the columns after its last token are its own spare
-room. The runner keeps a 2-D attention mask over all columns (0 for holes) and passes explicit
+tokens sit in token order (from the left for a row that joined a running batch; a batch's first
+prompts sit behind leading holes until a compaction), and the columns after its last token are its
+own spare room. The runner keeps a 2-D attention mask over all columns (0 for holes) and passes explicit
 per-row ``position_ids`` that count real tokens only, so each row computes exactly what it would
 compute alone: that is the splice == re-prefill invariant. While no row has a hole the mask is
 dropped and attention takes its plain causal path.
 
-* A decode step (one token per row, none for a parked row) writes every row's key and value at
-  that row's next column in place (``BufferedLayer.write_cols``) under the padding mask, so
+* A decode step (one token per row, none for a parked row) over a cache with holes writes every
+  row's key and value at that row's next column in place (``BufferedLayer.write_cols``) under the padding mask, so
   a row behind the longest one fills its own spare columns and the cache widens only when its
-  widest row grows.
+  widest row grows. Without holes (a lone row, rows in lockstep) it is a plain append.
 * When some rows feed many tokens while others feed one, padding the one-token rows would
   multiply the step's work. Such a step runs as two forwards: every row's first pending token (a
   decode step as above), then the long rows' remaining tokens over a copy of just their cache rows;
   their new keys and values go to each long row's next columns. An evidence splice touches no other
   row: no copy of the batch's cache, and no hole columns for the rows that did not splice.
-* A batch's first prompts (an empty cache), or a step in which every row feeds the same number of
-  tokens, go in one left-padded forward as new right-hand columns.
+* A batch's first prompts (an empty cache), or a step in which every row feeds the same number (more
+  than one) of tokens, go in one left-padded forward as new right-hand columns.
 
 Keys carry their rotary position already, so attention does not care which column holds a key.
-Holes no row will fill (left padding of first prompts, evicted spans) are dropped by ``compact``,
-which moves every row's tokens to the left end, once they are a quarter of the columns.
+``compact`` moves every row's tokens to the left end, so the cache is as wide as its longest row
+(it drops leading holes of first prompts and evicted spans): when a row leaves the batch, and
+whenever the columns beyond the longest row's length are a quarter of the columns.
 
 The cache's layers keep their keys and values in buffers with spare columns (``BufferedLayer``): a
 write lands in place, where a plain ``DynamicCache`` concatenates, i.e. copies (and page-faults in
@@ -66,8 +68,9 @@ class BufferedLayer(DynamicLayer):
 
     ``update`` writes new columns in place while the buffer has room and otherwise moves to one
     ``HEADROOM`` larger, so growth is amortised. Assigning ``keys``/``values`` (what the runner
-    does to add rows, pad or compact) installs that exact tensor with no spare room: nothing
-    outside is ever written to.
+    does to add rows, pad or compact) installs that exact tensor with no spare room, so appends
+    never write into it. Per-row writes (``write_cols``) and ``reserve`` do write into the columns
+    the layer holds: the runner installs only tensors it owns.
     """
 
     HEADROOM = 0.25
@@ -157,7 +160,7 @@ def new_cache(config) -> DynamicCache:
 
 class HFModelRunner:
     MIN_SHARED_PREFIX = 16
-    COMPACT_AT = 0.25  # compact once this share of the columns can go (holes no row will fill)
+    COMPACT_AT = 0.25  # compact once this share of the columns lies beyond the longest row's length
 
     def __init__(self, model, pad_id: int):
         self.model, self.pad_id = model, pad_id
@@ -165,7 +168,7 @@ class HFModelRunner:
         self.cache: DynamicCache | None = None
         self.attn: torch.Tensor | None = None  # [B, columns], 1 = real token
         self.lengths: list[int] = []  # real tokens each row has in the cache
-        self.ends: list[int] = []  # each row's next free column: one past its last real token
+        self.ends: list[int] = []  # each row's next free column: after its last real token (or an evicted tail)
         self.has_holes = False
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._inv_freq: torch.Tensor | None = None
@@ -489,12 +492,12 @@ class HFModelRunner:
                 layer.truncate(width)
             self.attn = self.attn[:, :width]
         self.has_holes = not bool(self.attn.all())
-        self.compact()
+        self.compact(force=True)  # the KV budget counts columns as wide as the longest row
 
     def compact(self, force: bool = False) -> None:
-        """Left-align every row's tokens and drop the columns left empty (when they are
-        ``COMPACT_AT`` of the columns, or always with ``force``). Holes behind a row shorter than the
-        longest are not removable: that row fills them as it decodes."""
+        """Left-align every row's tokens and drop the columns beyond the longest row's length (when
+        they are ``COMPACT_AT`` of the columns, or always with ``force``). The spare columns of a row
+        shorter than the longest stay: that row fills them as it decodes."""
         if not self.batch_size or not self.num_columns:
             return
         width = max(self.lengths)
