@@ -333,7 +333,6 @@ class HFModelRunner:
     def _append_staged(self, staged, widths: dict[int, int]) -> None:
         """Copy staged KV into each staged row's next columns, keys rotated from piece-local
         positions to the row's next positions."""
-        width = max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
         rows_idx, cols_idx, shift = [], [], []
         for i, (_, local) in staged.items():
             n, end = widths[i], self.ends[i]
@@ -342,15 +341,21 @@ class HFModelRunner:
             shift.append(local.float().cpu() + self.lengths[i])
         rows_idx, cols_idx = torch.cat(rows_idx).to(self.device), torch.cat(cols_idx).to(self.device)
         shift = torch.cat(shift).to(self.device)
-        for li, layer in enumerate(self.cache.layers):
-            layer.reserve(width, layer.keys)
-            for i, (kv, _) in staged.items():
-                n, end = widths[i], self.ends[i]
-                layer.keys[i, :, end : end + n] = kv[li][0][0]
-                layer.values[i, :, end : end + n] = kv[li][1][0]
+        self._write_at_ends({i: [(k[0], v[0]) for k, v in kv] for i, (kv, _) in staged.items()})
         rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
                            self._rope_inv_freq())
-        self._mark_written({i: n for i, n in widths.items()}, width)
+
+    def _write_at_ends(self, new: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Write row ``i``'s new keys and values (per layer, ``[kv_heads, n, head_dim]``) at its next
+        columns, widening the cache in place where a row needs it; no other row is touched."""
+        counts = {i: kv[0][0].shape[-2] for i, kv in new.items()}
+        width = max(self.num_columns, *(self.ends[i] + n for i, n in counts.items()))
+        for li, layer in enumerate(self.cache.layers):
+            layer.reserve(width, layer.keys)
+            for i, kv in new.items():
+                end, n = self.ends[i], counts[i]
+                layer.keys[i, :, end : end + n], layer.values[i, :, end : end + n] = kv[li]
+        self._mark_written(counts, width)
 
     def _mark_written(self, counts: dict[int, int], width: int) -> None:
         """Rows ``i`` now hold ``counts[i]`` more real tokens at their next columns; the cache is
@@ -425,14 +430,8 @@ class HFModelRunner:
         ids, new_mask, pos = self._inputs(rows, [self.lengths[i] for i in idx])
         out = self.model(input_ids=ids, attention_mask=torch.cat([self.attn[index], new_mask], dim=1),
                          position_ids=pos, cache=sub, use_cache=True, logits_to_keep=1)
-        width = max(self.num_columns, *(self.ends[i] + len(r) for i, r in zip(idx, rows)))
-        for layer, full in zip(sub.layers, self.cache.layers):
-            full.reserve(width, full.keys)
-            for j, (i, r) in enumerate(zip(idx, rows)):
-                n, end = len(r), self.ends[i]
-                full.keys[i, :, end : end + n] = layer.keys[j, :, -n:]
-                full.values[i, :, end : end + n] = layer.values[j, :, -n:]
-        self._mark_written({i: len(r) for i, r in zip(idx, rows)}, width)
+        self._write_at_ends({i: [(layer.keys[j, :, -len(r):], layer.values[j, :, -len(r):]) for layer in sub.layers]
+                             for j, (i, r) in enumerate(zip(idx, rows))})
         return out.logits[:, -1, :].float()
 
     def _rope_inv_freq(self) -> torch.Tensor:
@@ -466,11 +465,15 @@ class HFModelRunner:
         width = self.num_columns - n
         if n < 1 or width < 0 or any(e != self.num_columns for e in self.ends) or not bool(self.attn[:, width:].all()):
             raise ValueError(f"cannot drop the last {n} tokens: they are not every row's last {n} columns")
+        self._truncate(width)
+        self.lengths = [x - n for x in self.lengths]
+        self.ends = [width] * self.batch_size
+
+    def _truncate(self, width: int) -> None:
+        """Drop every column from ``width`` on (views: nothing is copied)."""
         for layer in self.cache.layers:
             layer.truncate(width)
         self.attn = self.attn[:, :width]
-        self.lengths = [x - n for x in self.lengths]
-        self.ends = [width] * self.batch_size
         self.has_holes = not bool(self.attn.all())
 
     def select(self, keep: list[int]) -> None:
@@ -486,12 +489,7 @@ class HFModelRunner:
         if not keep:
             self.reset(0)
             return
-        width = max(self.ends)  # columns past every row's last token: dropped without a copy
-        if width < self.num_columns:
-            for layer in self.cache.layers:
-                layer.truncate(width)
-            self.attn = self.attn[:, :width]
-        self.has_holes = not bool(self.attn.all())
+        self._truncate(max(self.ends))  # the columns past every row's last token
         self.compact(force=True)  # the KV budget counts columns as wide as the longest row
 
     def compact(self, force: bool = False) -> None:
