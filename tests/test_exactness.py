@@ -161,7 +161,8 @@ def test_rows_write_their_own_columns(attention):
     """Every row writes at its own next column: a row splicing an evidence block leaves the other
     rows' cache untouched (no copy, no hole columns for them), a row behind the widest one decodes
     into its own spare columns without widening the cache, a parked row keeps its place, and each
-    row's logits still equal a fresh prefill of its tokens - whichever attention builds the mask."""
+    row's logits still equal a fresh prefill of its tokens - whichever attention the model uses.
+    Each of these steps is one forward over the fed tokens only, packed in one sequence."""
     from rig_decode.engine.runner_hf import HFModelRunner
 
     from .helpers import tiny_model
@@ -177,8 +178,14 @@ def test_rows_write_their_own_columns(attention):
         with torch.no_grad():
             return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
+    forward, fed = model.forward, []
+    model.forward = lambda *a, **kw: fed.append(tuple(kw["input_ids"].shape)) or forward(*a, **kw)
+
     def step(feed):
+        fed.clear()
         logits = runner.step(feed)
+        assert fed == [(1, sum(map(len, feed)))], "not one packed forward over the fed tokens"
+        assert model.config._attn_implementation == attention
         for i, new in enumerate(feed):
             rows[i] += new
             if new:

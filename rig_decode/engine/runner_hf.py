@@ -12,17 +12,16 @@ per-row ``position_ids`` that count real tokens only, so each row computes exact
 compute alone: that is the splice == re-prefill invariant. While no row has a hole the mask is
 dropped and attention takes its plain causal path.
 
-* A decode step (one token per row, none for a parked row) over a cache with holes writes every
-  row's key and value at that row's next column in place (``BufferedLayer.write_cols``) under the padding mask, so
-  a row behind the longest one fills its own spare columns and the cache widens only when its
-  widest row grows. Without holes (a lone row, rows in lockstep) it is a plain append.
-* When some rows feed many tokens while others feed one, padding the one-token rows would
-  multiply the step's work. Such a step runs as two forwards: every row's first pending token (a
-  decode step as above), then the long rows' remaining tokens over a copy of just their cache rows;
-  their new keys and values go to each long row's next columns. An evidence splice touches no other
-  row: no copy of the batch's cache, and no hole columns for the rows that did not splice.
-* A batch's first prompts (an empty cache), or a step in which every row feeds the same number (more
-  than one) of tokens, go in one left-padded forward as new right-hand columns.
+* A step over a cache with holes, or with rows feeding different numbers of tokens, is *packed*:
+  every fed token goes in one sequence ``[1, T]`` (decode tokens, evidence blocks and new prompts
+  together; a parked row feeds nothing and costs nothing), each token's key and value are written
+  in place at its row's next column (``BufferedLayer.scatter``), and a registered attention function
+  (``packed_attention``) lets each token attend over its own row only: the one-token rows as one
+  batch over the whole cache, each longer row over a view of its own cache row, both through the
+  model's own attention (sdpa or eager). The weights are read once for the whole step; no row's
+  cache is copied, and a row behind the widest one fills its own spare columns.
+* A batch's first prompts (an empty cache), or rows feeding the same number of tokens over a cache
+  without holes (a lone row, rows in lockstep), go in one plain forward as new right-hand columns.
 
 Keys carry their rotary position already, so attention does not care which column holds a key.
 ``compact`` moves every row's tokens to the left end, so the cache is as wide as its longest row
@@ -56,11 +55,82 @@ would count hole columns as tokens.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..kernels import rope_shift_layers_, rotary_inv_freq
+
+PACKED_ATTENTION = "rig_packed"
+
+
+@dataclass(frozen=True, slots=True)
+class PackedStep:
+    """How a packed step's tokens attend: the one-token rows together, over the whole batch's cache
+    (``single_rows`` None: every row, in order), and each longer row's span over its own row."""
+
+    attend: Callable  # the model's own attention function (sdpa, or its eager one)
+    batch: int
+    single_tokens: torch.Tensor | None  # packed index of each one-token row's token
+    single_rows: torch.Tensor | None
+    single_mask: torch.Tensor | None  # [B, 1, 1, columns]
+    spans: list[tuple[int, int, int, torch.Tensor]]  # (row, first packed index, tokens, mask [1, 1, n, columns])
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, rig_packed=None, **kwargs):
+    """Attention for a packed step. ``query`` ``[1, heads, T, dim]`` holds every fed token,
+    ``key``/``value`` the batch's cache ``[B, kv_heads, columns, dim]`` with the new tokens written
+    (``BufferedLayer.scatter``); each token attends over its own row only. No copy of the cache:
+    one-token rows go as one batch over all rows (other rows get a zero query, their output dropped),
+    each longer row over a view of its own row."""
+    p: PackedStep = rig_packed
+    if p.single_tokens is not None and p.single_rows is None and not p.spans:  # a decode step: one token per row
+        o, _ = p.attend(module, query[0].transpose(0, 1).unsqueeze(2), key, value, p.single_mask,
+                        scaling=scaling, dropout=dropout, **kwargs)
+        return o.transpose(0, 1), None
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    if p.single_tokens is not None:
+        q = query[0, :, p.single_tokens].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        if p.single_rows is not None:
+            q = q.new_zeros(p.batch, *q.shape[1:]).index_copy_(0, p.single_rows, q)
+        o, _ = p.attend(module, q, key, value, p.single_mask, scaling=scaling, dropout=dropout, **kwargs)
+        out[0, p.single_tokens] = o[:, 0] if p.single_rows is None else o[p.single_rows, 0]
+    for row, start, n, mask in p.spans:
+        o, _ = p.attend(module, query[:, :, start : start + n], key[row : row + 1], value[row : row + 1], mask,
+                        scaling=scaling, dropout=dropout, **kwargs)
+        out[0, start : start + n] = o[0]
+    return out, None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+def _model_attention(model) -> tuple[Callable, bool]:
+    """The attention function the model is set to use, and whether it takes an additive float mask
+    (eager) rather than a boolean one (sdpa; also what any other implementation falls back to)."""
+    if model.config._attn_implementation == "eager":
+        eager = getattr(importlib.import_module(type(model).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager, True
+    return sdpa_attention_forward, False
+
+
+@contextmanager
+def _attention_implementation(config, name: str):
+    """Run the model with another registered attention implementation (with no mask function
+    registered for it, the model builds no mask: the attention function brings its own)."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class BufferedLayer(DynamicLayer):
@@ -69,7 +139,7 @@ class BufferedLayer(DynamicLayer):
     ``update`` writes new columns in place while the buffer has room and otherwise moves to one
     ``HEADROOM`` larger, so growth is amortised. Assigning ``keys``/``values`` (what the runner
     does to add rows, pad or compact) installs that exact tensor with no spare room, so appends
-    never write into it. Per-row writes (``write_cols``) and ``reserve`` do write into the columns
+    never write into it. Per-token writes (``scatter``) and ``reserve`` do write into the columns
     the layer holds: the runner installs only tensors it owns.
     """
 
@@ -80,8 +150,9 @@ class BufferedLayer(DynamicLayer):
         super().__init__()
         self._k = self._v = None
         self._nk = self._nv = 0
-        self.write_cols: torch.Tensor | None = None  # set by the runner for a per-row decode step
-        self.write_width = 0
+        self.scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        """Set by the runner for a packed step: new token j goes to row ``rows[j]``, column
+        ``cols[j]``, of a layer ``width`` columns wide."""
 
     @staticmethod
     def _view(buf, n):
@@ -126,22 +197,17 @@ class BufferedLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.write_cols is not None:  # one token per row, each at its own column
-            self.reserve(self.write_width, key_states)
-            rows = torch.arange(key_states.shape[0], device=key_states.device)
-            self._k[rows, :, self.write_cols] = key_states[:, :, 0]
-            self._v[rows, :, self.write_cols] = value_states[:, :, 0]
+        if self.scatter is not None:  # packed tokens [1, heads, T, dim], each to its own row and column
+            rows, cols, width = self.scatter
+            self.reserve(width, self.keys)
+            self._k[rows, :, cols] = key_states[0].transpose(0, 1)
+            self._v[rows, :, cols] = value_states[0].transpose(0, 1)
             return self.keys, self.values
         n, w = self._nk, key_states.shape[-2]
         self.reserve(n + w, key_states, zero=False)
         self._k[:, :, n : n + w] = key_states
         self._v[:, :, n : n + w] = value_states
         return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.write_cols is not None:  # the mask covers the columns ``update`` will return
-            return self.write_width, 0
-        return super().get_mask_sizes(query_length)
 
     def truncate(self, width: int) -> None:
         """Drop every column from ``width`` on (a view: nothing is copied)."""
@@ -302,19 +368,9 @@ class HFModelRunner:
         lens = [len(r) for r in rows]
         if not any(lens):
             raise ValueError("no row has anything to feed")
-        long = [i for i, n in enumerate(lens) if n > 1]
-        singles = [i for i, n in enumerate(lens) if n == 1]
-        uniform = len(set(lens)) == 1
-        if not long or uniform or self.cache.get_seq_length() == 0:
-            return self._forward_all(rows)
-        if singles:
-            logits = self._forward_all([r[:1] for r in rows])
-            logits[long] = self._forward_rows(long, [rows[i][1:] for i in long])
-            return logits
-        sub = self._forward_rows(long, [rows[i] for i in long])
-        logits = sub.new_zeros(self.batch_size, sub.shape[-1])
-        logits[long] = sub
-        return logits
+        if self.cache.get_seq_length() == 0 or (not self.has_holes and len(set(lens)) == 1):
+            return self._forward_columns(rows)
+        return self._forward_packed(rows)
 
     def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]]) -> torch.Tensor:
         widths = {i: kv[0][0].shape[2] for i, (kv, _) in staged.items()}
@@ -322,12 +378,12 @@ class HFModelRunner:
             if len(rows[i]) < n + 2:
                 raise ValueError(f"row {i} stages {n} tokens but feeds only {len(rows[i])}: it needs its "
                                  "first token before them and at least one after")
-        logits = self._forward_all([r[:1] for r in rows])
+        logits = self.step([r[:1] for r in rows])
         self._append_staged(staged, widths)
         rest = [r[1 + widths.get(i, 0):] for i, r in enumerate(rows)]
         long = [i for i, r in enumerate(rest) if r]
         if long:
-            logits[long] = self._forward_rows(long, [rest[i] for i in long])
+            logits[long] = self.step(rest)[long]
         return logits
 
     def _append_staged(self, staged, widths: dict[int, int]) -> None:
@@ -341,21 +397,16 @@ class HFModelRunner:
             shift.append(local.float().cpu() + self.lengths[i])
         rows_idx, cols_idx = torch.cat(rows_idx).to(self.device), torch.cat(cols_idx).to(self.device)
         shift = torch.cat(shift).to(self.device)
-        self._write_at_ends({i: [(k[0], v[0]) for k, v in kv] for i, (kv, _) in staged.items()})
-        rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
-                           self._rope_inv_freq())
-
-    def _write_at_ends(self, new: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Write row ``i``'s new keys and values (per layer, ``[kv_heads, n, head_dim]``) at its next
-        columns, widening the cache in place where a row needs it; no other row is touched."""
-        counts = {i: kv[0][0].shape[-2] for i, kv in new.items()}
+        counts = {i: widths[i] for i in staged}
         width = max(self.num_columns, *(self.ends[i] + n for i, n in counts.items()))
         for li, layer in enumerate(self.cache.layers):
             layer.reserve(width, layer.keys)
-            for i, kv in new.items():
+            for i, (kv, _) in staged.items():
                 end, n = self.ends[i], counts[i]
-                layer.keys[i, :, end : end + n], layer.values[i, :, end : end + n] = kv[li]
+                layer.keys[i, :, end : end + n], layer.values[i, :, end : end + n] = kv[li][0][0], kv[li][1][0]
         self._mark_written(counts, width)
+        rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
+                           self._rope_inv_freq())
 
     def _mark_written(self, counts: dict[int, int], width: int) -> None:
         """Rows ``i`` now hold ``counts[i]`` more real tokens at their next columns; the cache is
@@ -368,71 +419,80 @@ class HFModelRunner:
             self.ends[i] += n
         self.has_holes = not bool(self.attn.all())
 
-    def _inputs(self, rows: list[list[int]], lengths: list[int]):
-        """Left-padded ids, the new mask columns and per-row positions for one forward."""
+    def _forward_columns(self, rows: list[list[int]]) -> torch.Tensor:
+        """Every row's tokens as new right-hand columns, left-padded: a batch's first prompts, or
+        rows feeding the same number of tokens over a cache without holes (a plain causal step)."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        new_mask = torch.zeros((len(rows), width), dtype=torch.long)
         pos = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (r, start) in enumerate(zip(rows, lengths)):
+        for i, (r, start) in enumerate(zip(rows, self.lengths)):
             n = len(r)
             if n:
                 ids[i, width - n :] = torch.tensor(r, dtype=torch.long)
-                mask[i, width - n :] = 1
+                new_mask[i, width - n :] = 1
                 pos[i, width - n :] = torch.arange(start, start + n)
             pos[i, : width - n] = start  # holes: any in-range position, they are masked out
-        return ids.to(self.device), mask.to(self.device), pos.to(self.device)
-
-    def _forward_all(self, rows: list[list[int]]) -> torch.Tensor:
-        """Feed every row its tokens: a decode step over a cache with holes (or a parked row) in
-        place, anything else as new right-hand columns (left-padded)."""
-        if self.cache.get_seq_length() and max(len(r) for r in rows) == 1 and (self.has_holes or not all(rows)):
-            return self._decode_in_place(rows)
-        ids, new_mask, pos = self._inputs(rows, self.lengths)
         self.has_holes = self.has_holes or not bool(new_mask.all())
-        self.attn = torch.cat([self.attn, new_mask], dim=1)
+        self.attn = torch.cat([self.attn, new_mask.to(self.device)], dim=1)
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
         self.ends = [self.num_columns if r else e for e, r in zip(self.ends, rows)]
-        out = self.model(input_ids=ids, attention_mask=self.attn if self.has_holes else None,
-                         position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=self.attn if self.has_holes else None,
+                         position_ids=pos.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
-    def _decode_in_place(self, rows: list[list[int]]) -> torch.Tensor:
-        """One token per row (none for a parked row), each written at its row's next column: the
-        cache widens only when its widest row grows, and a row behind fills its own holes. The
-        query sits after every column (the layers report the written width as the mask's), so the
-        padding mask alone decides what each row sees."""
-        cols = list(self.ends)  # a parked row feeds a pad token there, left unmarked (a hole)
-        width = max(self.num_columns, max(cols) + 1)
-        ids = torch.tensor([[r[0] if r else self.pad_id] for r in rows], device=self.device)
-        pos = torch.tensor([[n] for n in self.lengths], device=self.device)
-        self._mark_written({i: 1 for i, r in enumerate(rows) if r}, width)
-        write = torch.tensor(cols, device=self.device)
+    def _forward_packed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Every fed token in one sequence ``[1, T]``, written at its row's next columns: one-token
+        rows, evidence splices and new prompts in a single forward, parked rows costing nothing.
+        Attention runs per row (``packed_attention``), so each token sees its own row only."""
+        fed = [i for i, r in enumerate(rows) if r]
+        counts = [len(rows[i]) for i in fed]
+        starts = [sum(counts[:j]) for j in range(len(fed))]
+        ids = torch.tensor([[t for i in fed for t in rows[i]]], device=self.device)
+        pos = torch.cat([torch.arange(self.lengths[i], self.lengths[i] + n) for i, n in zip(fed, counts)])
+        cols = torch.cat([torch.arange(self.ends[i], self.ends[i] + n) for i, n in zip(fed, counts)]).to(self.device)
+        row_of = torch.repeat_interleave(torch.tensor(fed), torch.tensor(counts)).to(self.device)
+        width = max(self.num_columns, *(self.ends[i] + n for i, n in zip(fed, counts)))
+        self._mark_written(dict(zip(fed, counts)), width)
+        plan = self._packed_plan(fed, counts, starts, cols)
         for layer in self.cache.layers:
-            layer.write_cols, layer.write_width = write, width
+            layer.scatter = (row_of, cols, width)
         try:
-            out = self.model(input_ids=ids, attention_mask=self.attn, position_ids=pos, cache=self.cache,
-                             use_cache=True, logits_to_keep=1)
+            with _attention_implementation(self.model.config, PACKED_ATTENTION):
+                out = self.model(input_ids=ids, position_ids=pos[None].to(self.device), cache=self.cache,
+                                 use_cache=True, rig_packed=plan,
+                                 logits_to_keep=torch.tensor([s + n - 1 for s, n in zip(starts, counts)], device=self.device))
         finally:
             for layer in self.cache.layers:
-                layer.write_cols = None
-        return out.logits[:, -1, :].float()
+                layer.scatter = None
+        logits = out.logits[0].float()
+        if len(fed) == self.batch_size:
+            return logits
+        full = logits.new_zeros(self.batch_size, logits.shape[-1])
+        full[fed] = logits
+        return full
 
-    def _forward_rows(self, idx: list[int], rows: list[list[int]]) -> torch.Tensor:
-        """Forward some rows only, over a copy of their cache; their new keys and values then go
-        to each row's next columns of the shared cache (the other rows are not touched)."""
-        index = torch.tensor(idx, dtype=torch.long, device=self.device)
-        sub = new_cache(self.model.config)
-        for layer, full in zip(sub.layers, self.cache.layers):
-            keys, values = full.keys.index_select(0, index), full.values.index_select(0, index)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-        ids, new_mask, pos = self._inputs(rows, [self.lengths[i] for i in idx])
-        out = self.model(input_ids=ids, attention_mask=torch.cat([self.attn[index], new_mask], dim=1),
-                         position_ids=pos, cache=sub, use_cache=True, logits_to_keep=1)
-        self._write_at_ends({i: [(layer.keys[j, :, -len(r):], layer.values[j, :, -len(r):]) for layer in sub.layers]
-                             for j, (i, r) in enumerate(zip(idx, rows))})
-        return out.logits[:, -1, :].float()
+    def _packed_plan(self, fed: list[int], counts: list[int], starts: list[int], cols: torch.Tensor) -> "PackedStep":
+        """The masks of a packed step (the new tokens already marked in ``attn``): a one-token row
+        sees its real columns; token ``j`` of a longer row sees its row's real columns up to its own."""
+        attend, additive = _model_attention(self.model)
+
+        def mask(m: torch.Tensor) -> torch.Tensor:
+            if not additive:
+                return m
+            return torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill_(~m, torch.finfo(self.model.dtype).min)
+
+        real = self.attn.bool()
+        column = torch.arange(self.num_columns, device=self.device)
+        singles = [(i, s) for i, n, s in zip(fed, counts, starts) if n == 1]
+        spans = [(i, s, n, mask((real[i] & (column <= cols[s : s + n, None]))[None, None]))
+                 for i, n, s in zip(fed, counts, starts) if n > 1]
+        if not singles:
+            return PackedStep(attend, self.batch_size, None, None, None, spans)
+        single_rows = [i for i, _ in singles]
+        return PackedStep(attend, self.batch_size, torch.tensor([s for _, s in singles], device=self.device),
+                          None if single_rows == list(range(self.batch_size)) else torch.tensor(single_rows, device=self.device),
+                          mask(real[:, None, None, :]), spans)
 
     def _rope_inv_freq(self) -> torch.Tensor:
         if self._inv_freq is None:
