@@ -156,6 +156,37 @@ def test_buffered_layer_behaves_like_dynamic_layer():
     assert buffered.get_seq_length() == 11 and torch.equal(buffered.keys[:, :, :10], installed)
 
 
+def test_buffered_layer_relayouts_work_in_place():
+    """Adding rows and columns, keeping rows (in order or not) and gathering columns give what
+    padding, indexing and gathering give; once the layer has its own buffer, rows joining and
+    leaving and compaction happen inside it, and the next write still lands in place."""
+    from rig_decode.engine.runner_hf import BufferedLayer
+
+    torch.manual_seed(1)
+    layer = BufferedLayer()
+    layer.update(torch.randn(4, 2, 6, 4), torch.randn(4, 2, 6, 4))
+    buffer = layer.keys.data_ptr()
+
+    def check(relayout, expect):
+        before = layer.keys.clone(), layer.values.clone()
+        relayout()
+        for got, old in zip((layer.keys, layer.values), before):
+            assert torch.equal(got, expect(old))
+        assert layer.keys.data_ptr() == buffer, "the layer moved to a new buffer"
+
+    check(lambda: layer.select_rows([1, 3]), lambda old: old[[1, 3]])  # rows 0 and 2 leave
+    check(lambda: layer.grow(rows=2, columns=3), lambda old: torch.nn.functional.pad(old, (0, 0, 0, 3, 0, 0, 0, 2)))
+    check(lambda: layer.select_rows([3, 0, 2]), lambda old: old[[3, 0, 2]])
+    order = torch.stack([torch.arange(5), torch.randperm(9)[:5], torch.arange(5)])
+    check(lambda: layer.gather_columns(order, rows=[1]),
+          lambda old: torch.gather(old, 2, order[:, None, :, None].expand(-1, 2, -1, 4)))
+    layer.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 4))
+    assert layer.keys.data_ptr() == buffer and layer.get_seq_length() == 6
+    layer.grow(rows=4, columns=0)  # more rows than the buffer has room for: a larger one
+    assert layer.keys.shape[0] == 7 and layer.keys.data_ptr() != buffer
+    assert not layer.keys[3:].any() and torch.equal(layer.keys[:3, :, 5], torch.ones(3, 2, 4))
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_rows_write_their_own_columns(attention):
     """Every row writes at its own next column: a row splicing an evidence block leaves the other

@@ -134,13 +134,17 @@ def _attention_implementation(config, name: str):
 
 
 class BufferedLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys/values are the first columns of a larger buffer.
+    """A ``DynamicLayer`` whose keys/values are the first rows and columns of a larger buffer.
 
     ``update`` writes new columns in place while the buffer has room and otherwise moves to one
-    ``HEADROOM`` larger, so growth is amortised. Assigning ``keys``/``values`` (what the runner
-    does to add rows, pad or compact) installs that exact tensor with no spare room, so appends
-    never write into it. Per-token writes (``scatter``) and ``reserve`` do write into the columns
-    the layer holds: the runner installs only tensors it owns.
+    ``HEADROOM`` larger (rows and columns), so growth is amortised. The runner's re-layouts work in
+    place in a buffer the layer allocated: ``grow`` (rows joining, wider rows) zeroes spare rows and
+    columns, ``select_rows`` (rows leaving) moves only the rows after a leaving one, and
+    ``gather_columns`` (compaction) moves only the rows whose tokens are not already left-aligned;
+    a join or leave neither copies the whole cache nor touches fresh memory. Assigning
+    ``keys``/``values`` installs that exact tensor: appends and re-layouts move to a buffer of the
+    layer's own rather than write into it. Per-token writes (``scatter``) and ``reserve`` do write
+    into the columns the layer holds: the runner installs only tensors it owns.
     """
 
     HEADROOM = 0.25
@@ -150,13 +154,15 @@ class BufferedLayer(DynamicLayer):
         super().__init__()
         self._k = self._v = None
         self._nk = self._nv = 0
+        self._rows: int | None = None  # rows in use of the layer's own buffer; None: an installed tensor
         self.scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None
         """Set by the runner for a packed step: new token j goes to row ``rows[j]``, column
         ``cols[j]``, of a layer ``width`` columns wide."""
 
-    @staticmethod
-    def _view(buf, n):
-        return buf if buf is None or buf.dim() != 4 else buf[:, :, :n]
+    def _view(self, buf, n):
+        if buf is None or buf.dim() != 4:
+            return buf
+        return buf[: self._rows, :, :n] if self._rows is not None else buf[:, :, :n]
 
     @staticmethod
     def _width(t):
@@ -168,7 +174,7 @@ class BufferedLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, t):
-        self._k, self._nk = t, self._width(t)
+        self._k, self._nk, self._rows = t, self._width(t), None
 
     @property
     def values(self):
@@ -176,23 +182,78 @@ class BufferedLayer(DynamicLayer):
 
     @values.setter
     def values(self, t):
-        self._v, self._nv = t, self._width(t)
+        self._v, self._nv, self._rows = t, self._width(t), None
+
+    @property
+    def batch(self) -> int:
+        if self._k is None or self._k.dim() != 4:
+            return 0
+        return self._rows if self._rows is not None else self._k.shape[0]
+
+    def _has_room(self, rows: int, width: int) -> bool:
+        return self._rows is not None and self._k.shape[0] >= rows and self._k.shape[2] >= width
+
+    def _move_to_new_buffers(self, like: torch.Tensor, rows: int, width: int) -> None:
+        """Move to buffers of the layer's own with room beyond ``rows`` x ``width``, keeping what the
+        layer holds (``like``: a tensor of the cache's heads, dtype and head size)."""
+        cap_rows = rows + max(1, int(rows * self.HEADROOM))
+        cap = width + max(self.MIN_SPARE, int(width * self.HEADROOM))
+        k, v = (like.new_empty(cap_rows, like.shape[1], cap, like.shape[3]) for _ in range(2))
+        b, n = self.batch, self._nk
+        if n:
+            k[:b, :, :n], v[:b, :, :n] = self.keys, self.values
+        self._k, self._v, self._rows = k, v, b
 
     def reserve(self, width: int, like: torch.Tensor, zero: bool = True) -> None:
         """Make the layer ``width`` columns wide (new columns zeroed unless ``zero`` is off), moving
-        to a larger buffer when this one has no room. ``like``: a tensor of the new columns' batch,
+        to a larger buffer when this one has no room. ``like``: a tensor of the layer's batch,
         heads, dtype and head size."""
         n = self._nk
-        if self._width(self._k) < width or self._k.shape[0] != like.shape[0]:
-            cap = width + max(self.MIN_SPARE, int(width * self.HEADROOM))
-            k, v = (like.new_empty(*like.shape[:2], cap, like.shape[3]) for _ in range(2))
-            if n:
-                k[:, :, :n], v[:, :, :n] = self.keys, self.values
-            self._k, self._v = k, v
+        if not self._has_room(like.shape[0], width):
+            self._move_to_new_buffers(like, like.shape[0], width)
+            self._rows = like.shape[0]
         if zero and width > n:
-            self._k[:, :, n:width] = 0
-            self._v[:, :, n:width] = 0
+            self._k[: self._rows, :, n:width] = 0
+            self._v[: self._rows, :, n:width] = 0
         self._nk = self._nv = max(n, width)
+
+    def grow(self, rows: int, columns: int) -> None:
+        """Add ``rows`` zero rows, and ``columns`` zero columns at the right of every row."""
+        b, n = self.batch, self._nk
+        width = n + columns
+        if not self._has_room(b + rows, width):
+            self._move_to_new_buffers(self._k, b + rows, width)
+        for buf in (self._k, self._v):
+            buf[:b, :, n:width] = 0
+            buf[b : b + rows, :, :width] = 0
+        self._rows, self._nk, self._nv = b + rows, width, width
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep only rows ``keep``, in that order, in place."""
+        if self._rows is None:
+            self._move_to_new_buffers(self._k, self.batch, self._nk)
+        n = self._nk
+        if keep == sorted(set(keep)):  # each kept row moves up or stays: none is overwritten before it is read
+            for j, i in enumerate(keep):
+                if i != j:
+                    self._k[j, :, :n] = self._k[i, :, :n]
+                    self._v[j, :, :n] = self._v[i, :, :n]
+        else:
+            index = torch.tensor(keep, device=self._k.device)
+            for buf in (self._k, self._v):
+                buf[: len(keep), :, :n] = buf[index, :, :n]
+        self._rows = len(keep)
+
+    def gather_columns(self, order: torch.Tensor, rows: list[int]) -> None:
+        """Column ``j`` of row ``r`` becomes its column ``order[r, j]`` (``order``: ``[batch, width]``);
+        only ``rows`` move, the others' first ``width`` columns are already in that order."""
+        if self._rows is None:
+            self._move_to_new_buffers(self._k, self.batch, self._nk)
+        width = order.shape[1]
+        for r in rows:
+            self._k[r, :, :width] = self._k[r, :, order[r]]
+            self._v[r, :, :width] = self._v[r, :, order[r]]
+        self._nk = self._nv = width
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -205,8 +266,8 @@ class BufferedLayer(DynamicLayer):
             return self.keys, self.values
         n, w = self._nk, key_states.shape[-2]
         self.reserve(n + w, key_states, zero=False)
-        self._k[:, :, n : n + w] = key_states
-        self._v[:, :, n : n + w] = value_states
+        self._k[: self._rows, :, n : n + w] = key_states
+        self._v[: self._rows, :, n : n + w] = value_states
         return self.keys, self.values
 
     def truncate(self, width: int) -> None:
@@ -337,8 +398,7 @@ class HFModelRunner:
                 self.attn = torch.zeros(self.batch_size + rows, 0, dtype=torch.long, device=self.device)
         else:
             for layer in self.cache.layers:
-                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, columns, 0, 0, 0, rows))
-                layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, columns, 0, 0, 0, rows))
+                layer.grow(rows, columns)
             self.attn = torch.nn.functional.pad(self.attn, (0, columns, 0, rows))
         self.lengths += [0] * rows
         self.ends += [0] * rows
@@ -542,7 +602,8 @@ class HFModelRunner:
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if keep and self.cache.get_seq_length():
-            self.cache.batch_select_indices(idx)
+            for layer in self.cache.layers:
+                layer.select_rows(keep)
         self.attn = self.attn.index_select(0, idx)
         self.lengths = [self.lengths[i] for i in keep]
         self.ends = [self.ends[i] for i in keep]
@@ -565,11 +626,9 @@ class HFModelRunner:
         # For each row, the source column of each target column: real columns first, in order.
         order = torch.argsort(self.attn, dim=1, descending=True, stable=True)[:, :width]
         new_mask = torch.gather(self.attn, 1, order)
-        gather = order[:, None, :, None]
+        moved = (order != torch.arange(width, device=self.device)).any(dim=1).nonzero().flatten().tolist()
         for layer in self.cache.layers:
-            g = gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = torch.gather(layer.keys, 2, g)
-            layer.values = torch.gather(layer.values, 2, g)
+            layer.gather_columns(order, moved)
         self.attn = new_mask
         self.ends = list(self.lengths)
         self.has_holes = not bool(new_mask.all())
