@@ -519,9 +519,9 @@ class HFModelRunner:
             layer.scatter = (row_of, cols, width)
         try:
             with _attention_implementation(self.model.config, PACKED_ATTENTION):
+                last = torch.tensor([s + n - 1 for s, n in zip(starts, counts)], device=self.device)
                 out = self.model(input_ids=ids, position_ids=pos[None].to(self.device), cache=self.cache,
-                                 use_cache=True, rig_packed=plan,
-                                 logits_to_keep=torch.tensor([s + n - 1 for s, n in zip(starts, counts)], device=self.device))
+                                 use_cache=True, rig_packed=plan, logits_to_keep=last)
         finally:
             for layer in self.cache.layers:
                 layer.scatter = None
@@ -532,7 +532,7 @@ class HFModelRunner:
         full[fed] = logits
         return full
 
-    def _packed_plan(self, fed: list[int], counts: list[int], starts: list[int], cols: torch.Tensor) -> "PackedStep":
+    def _packed_plan(self, fed: list[int], counts: list[int], starts: list[int], cols: torch.Tensor) -> PackedStep:
         """The masks of a packed step (the new tokens already marked in ``attn``): a one-token row
         sees its real columns; token ``j`` of a longer row sees its row's real columns up to its own."""
         attend, additive = _model_attention(self.model)
@@ -540,7 +540,8 @@ class HFModelRunner:
         def mask(m: torch.Tensor) -> torch.Tensor:
             if not additive:
                 return m
-            return torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill_(~m, torch.finfo(self.model.dtype).min)
+            dtype = self.model.dtype
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
 
         real = self.attn.bool()
         column = torch.arange(self.num_columns, device=self.device)
@@ -550,8 +551,9 @@ class HFModelRunner:
         if not singles:
             return PackedStep(attend, self.batch_size, None, None, None, spans)
         single_rows = [i for i, _ in singles]
+        every_row = single_rows == list(range(self.batch_size))
         return PackedStep(attend, self.batch_size, torch.tensor([s for _, s in singles], device=self.device),
-                          None if single_rows == list(range(self.batch_size)) else torch.tensor(single_rows, device=self.device),
+                          None if every_row else torch.tensor(single_rows, device=self.device),
                           mask(real[:, None, None, :]), spans)
 
     def _rope_inv_freq(self) -> torch.Tensor:
