@@ -14,9 +14,10 @@ For each concurrency: aggregate generated tokens per second, p50/p95 request lat
 request spent parked waiting for evidence. Then the same workload at concurrency 8 with retrieval
 forced onto the decode path (``sync_retrieval``): every search stalls the whole batch.
 
-    python bench/engine.py [--requests 16] [--concurrency 1,4,8,16] [--retrieval-latency-ms 150]
+    python bench/engine.py [--requests 16] [--concurrency 1,4,8,16] [--retrieval-latency-ms 150] [--plot PNG]
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line; ``--plot`` also draws tokens/s and request latency against
+concurrency.
 """
 
 from __future__ import annotations
@@ -106,6 +107,33 @@ def run(model, tok, retriever, n_requests: int, concurrency: int, max_new: int, 
             "hops": sum(s.trace.num_hops for s in seqs), "steps": engine.num_steps}
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if not r["sync_retrieval"]]
+    sync = [r for r in rows if r["sync_retrieval"]]
+    conc = [r["concurrency"] for r in runs]
+    fig, (tps, lat) = plt.subplots(1, 2, figsize=(10, 4))
+    tps.plot(conc, [r["tokens_per_s"] for r in runs], "o-", label="retrieval off the decode path")
+    tps.plot(conc, [runs[0]["tokens_per_s"] * c / runs[0]["concurrency"] for c in conc], ":", color="grey",
+             label="linear in concurrency")
+    tps.plot([r["concurrency"] for r in sync], [r["tokens_per_s"] for r in sync], "s", color="C3",
+             label="retrieval on the decode path")
+    tps.set(xlabel="concurrency", ylabel="generated tokens / s", xticks=conc)
+    tps.legend()
+    for key, style in (("p50_ms", "o-"), ("p95_ms", "o--")):
+        lat.plot(conc, [r[key] / 1e3 for r in runs], style, label=key.split("_")[0])
+    lat.set(xlabel="concurrency", ylabel="request latency (s)", xticks=conc)
+    lat.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -113,7 +141,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--retrieval-latency-ms", type=float, default=150.0)
     ap.add_argument("--sync-at", type=int, default=8, help="concurrency of the sync-retrieval comparison")
+    ap.add_argument("--plot", help="also draw tokens/s and latency vs concurrency into this PNG")
     args = ap.parse_args(argv)
+    need = max(hop_step(i, 2) for i in range(3, args.requests, 4)) + 16 if args.requests > 3 else 0
+    if args.max_new_tokens < need:
+        ap.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for the scripted third hop; use at least {need}")
     model, tok = load_model(ModelConfig())
     retriever = build_retriever(RetrieverConfig())
     if args.retrieval_latency_ms:
@@ -129,12 +161,15 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['concurrency']:>11} {'sync' if r['sync_retrieval'] else 'async':>10} {r['tokens_per_s']:>9.1f} "
               f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['mean_parked_ms']:>10.1f} {r['wall_s']:>7.1f} {r['steps']:>6} {r['hops']:>5}")
-    base = next((r for r in rows if r["concurrency"] == 1 and not r["sync_retrieval"]), None)
-    at8 = next((r for r in rows if r["concurrency"] == args.sync_at and not r["sync_retrieval"]), None)
+    tps = {r["concurrency"]: r["tokens_per_s"] for r in rows if not r["sync_retrieval"]}
     sync = rows[-1]
     summary = {"bench": "engine", "retrieval_latency_ms": args.retrieval_latency_ms, "rows": rows,
-               "speedup_c8_vs_c1": round(at8["tokens_per_s"] / base["tokens_per_s"], 2) if at8 and base else None,
-               "async_vs_sync_at_c8": round(at8["tokens_per_s"] / sync["tokens_per_s"], 2) if at8 else None}
+               "speedup_c8_vs_c1": round(tps[8] / tps[1], 2) if 8 in tps and 1 in tps else None,
+               f"async_vs_sync_at_c{args.sync_at}":
+                   round(tps[args.sync_at] / sync["tokens_per_s"], 2) if args.sync_at in tps else None}
+    if args.plot:
+        plot(rows, args.plot, f"{args.requests} requests x {args.max_new_tokens} tokens, 0-3 hops, "
+                              f"+{args.retrieval_latency_ms:g} ms per search")
     print(json.dumps(summary))
     return 0
 
