@@ -14,10 +14,12 @@ For each concurrency: aggregate generated tokens per second, p50/p95 request lat
 request spent parked waiting for evidence. Then the same workload at concurrency 8 with retrieval
 forced onto the decode path (``sync_retrieval``): every search stalls the whole batch.
 
-    python bench/engine.py [--requests 16] [--concurrency 1,4,8,16] [--retrieval-latency-ms 150] [--plot PNG]
+    python bench/engine.py [--requests 16] [--concurrency 1,4,8,16] [--retrieval-latency-ms 150]
+                           [--repeat 1] [--plot PNG]
 
 Prints a table, then one JSON line; ``--plot`` also draws tokens/s and request latency against
-concurrency.
+concurrency. ``--repeat N`` runs every configuration N times, round-robin, and reports each one's
+median run (a 2-core machine shared with others drifts by 10-20% over minutes).
 """
 
 from __future__ import annotations
@@ -141,21 +143,36 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--retrieval-latency-ms", type=float, default=150.0)
     ap.add_argument("--sync-at", type=int, default=8, help="concurrency of the sync-retrieval comparison")
+    ap.add_argument("--repeat", type=int, default=1, help="run every configuration this many times, round-robin, "
+                    "and report the run with the median wall time (use an odd count)")
     ap.add_argument("--plot", help="also draw tokens/s and latency vs concurrency into this PNG")
     args = ap.parse_args(argv)
     need = max(hop_step(i, 2) for i in range(3, args.requests, 4)) + 16 if args.requests > 3 else 0
     if args.max_new_tokens < need:
-        ap.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for the scripted third hop; use at least {need}")
+        ap.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for the scripted third hop; "
+                 f"use at least {need}")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     model, tok = load_model(ModelConfig())
     retriever = build_retriever(RetrieverConfig())
     if args.retrieval_latency_ms:
         retriever = Latency(retriever, args.retrieval_latency_ms)
     run(model, tok, retriever, 2, 2, 32, False)  # warm-up
-    rows = [run(model, tok, retriever, args.requests, int(c), args.max_new_tokens, False)
-            for c in args.concurrency.split(",")]
-    rows.append(run(model, tok, retriever, args.requests, args.sync_at, args.max_new_tokens, True))
+    configs = [(int(c), False) for c in args.concurrency.split(",")] + [(args.sync_at, True)]
+    runs = {cfg: [] for cfg in configs}
+    for rep in range(args.repeat):  # round-robin, so a slow spell of the machine hits every configuration alike
+        for cfg in configs:
+            runs[cfg].append(run(model, tok, retriever, args.requests, cfg[0], args.max_new_tokens, cfg[1]))
+            if args.repeat > 1:
+                print(f"[engine] repeat {rep + 1}/{args.repeat}: concurrency {cfg[0]} "
+                      f"{'sync' if cfg[1] else 'async'} {runs[cfg][-1]['wall_s']} s", file=sys.stderr, flush=True)
+    rows = []
+    for cfg in configs:  # the run with the median wall time stands for its configuration
+        ordered = sorted(runs[cfg], key=lambda r: r["wall_s"])
+        rows.append({**ordered[(len(ordered) - 1) // 2], "wall_s_runs": [r["wall_s"] for r in runs[cfg]]})
+    median = f", median of {args.repeat} runs" if args.repeat > 1 else ""
     print(f"{args.requests} requests, {args.max_new_tokens} tokens each, 0-3 hops, "
-          f"+{args.retrieval_latency_ms:g} ms per search call")
+          f"+{args.retrieval_latency_ms:g} ms per search call{median}")
     print(f"{'concurrency':>11} {'retrieval':>10} {'tokens/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
           f"{'parked ms':>10} {'wall s':>7} {'steps':>6} {'hops':>5}")
     for r in rows:
