@@ -278,3 +278,31 @@ def test_a_row_leaving_leaves_the_cache_as_wide_as_the_longest_row():
         with torch.no_grad():
             want = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_lone_prompt_is_prefilled_with_the_batch_and_becomes_the_cached_prefix():
+    """A request joining alone costs no forward of its own: its prompt goes into the next step
+    with the other rows, and its KV is then kept as the cached prefix, so a follow-up that extends
+    it (the next turn) feeds only its new tokens - and still computes what a fresh prefill does."""
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    from .helpers import tiny_model
+
+    model = tiny_model(600)
+    gen = torch.Generator().manual_seed(13)
+    other, first = (torch.randint(3, 600, (n,), generator=gen).tolist() for n in (30, 40))
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([other])
+    forward, calls = model.forward, []
+    model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+    rest = runner.add_rows([first])
+    assert rest == [first] and not calls  # nothing cached in common with it, nothing computed yet
+    runner.step([[5], rest[0]])
+    assert len(calls) == 1
+    follow = first + [7, 8, 9]
+    rest = runner.add_rows([follow])
+    assert rest == [[7, 8, 9]] and len(calls) == 1  # seeded with all of ``first``
+    logits = runner.step([[], [], rest[0]])
+    with torch.no_grad():
+        want = forward(input_ids=torch.tensor([follow])).logits[0, -1].float()
+    torch.testing.assert_close(logits[2], want, atol=1e-4, rtol=1e-4)

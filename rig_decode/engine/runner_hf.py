@@ -298,6 +298,7 @@ class HFModelRunner:
         self.ends: list[int] = []  # each row's next free column: after its last real token (or an evicted tail)
         self.has_holes = False
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._capture: dict[int, list[int]] = {}  # row -> its prompt, whose KV becomes the cached prefix once fed
         self._inv_freq: torch.Tensor | None = None
 
     @property
@@ -327,6 +328,7 @@ class HFModelRunner:
         self.lengths = [0] * batch_size
         self.ends = [0] * batch_size
         self.has_holes = False
+        self._capture = {}
 
     # -- adding rows --------------------------------------------------------------------------------
 
@@ -347,11 +349,15 @@ class HFModelRunner:
             self._grow(len(prompts), columns=0)
             self.has_holes = self.has_holes or not bool(self.attn.all())
             return [list(p) for p in prompts]
-        # The part all new prompts share (a lone prompt: all of it but the last token) becomes the
-        # cached prefix; only what the cache does not hold yet is computed.
-        shared = _common_prefix(prompts)[: min(len(p) for p in prompts) - 1]
-        if len(shared) >= self.MIN_SHARED_PREFIX and len(shared) > self._cached(shared):
-            self._compute_prefix(shared)
+        # Several prompts: the part they all share becomes the cached prefix, computed once (only what
+        # the cache does not hold yet). A lone prompt is prefilled in the step, with the other rows;
+        # its KV then becomes the cached prefix (``_capture_prefix``), e.g. for the next turn.
+        if len(prompts) > 1:
+            shared = _common_prefix(prompts)[: min(len(p) for p in prompts) - 1]
+            if len(shared) >= self.MIN_SHARED_PREFIX and len(shared) > self._cached(shared):
+                self._compute_prefix(shared)
+        elif len(prompts[0]) >= self.MIN_SHARED_PREFIX and len(prompts[0]) > self._cached(prompts[0]):
+            self._capture[self.batch_size] = list(prompts[0])
         seeds = [min(self._cached(p), len(p) - 1) for p in prompts]  # every row feeds >= 1 token
         seeds = [n if n >= self.MIN_SHARED_PREFIX else 0 for n in seeds]
         first, n_new, width = self.batch_size, len(prompts), max(seeds)
@@ -429,8 +435,23 @@ class HFModelRunner:
         if not any(lens):
             raise ValueError("no row has anything to feed")
         if self.cache.get_seq_length() == 0 or (not self.has_holes and len(set(lens)) == 1):
-            return self._forward_columns(rows)
-        return self._forward_packed(rows)
+            logits = self._forward_columns(rows)
+        else:
+            logits = self._forward_packed(rows)
+        if self._capture:
+            self._capture_prefix()
+        return logits
+
+    def _capture_prefix(self) -> None:
+        """A lone new row whose prompt is now in the cache (its first columns, in order: it was
+        seeded at the left and fed right after) leaves a copy of that KV as the cached prefix."""
+        for row, ids in list(self._capture.items()):
+            n = len(ids)
+            if self.lengths[row] >= n and bool(self.attn[row, :n].all()):
+                layers = self.cache.layers
+                self._prefix = (ids, [(layer.keys[row : row + 1, :, :n].clone(),
+                                       layer.values[row : row + 1, :, :n].clone()) for layer in layers])
+            del self._capture[row]
 
     def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]]) -> torch.Tensor:
         widths = {i: kv[0][0].shape[2] for i, (kv, _) in staged.items()}
@@ -602,6 +623,7 @@ class HFModelRunner:
         """Keep only these rows (finished ones leave the batch and free their cache)."""
         if keep == list(range(self.batch_size)):
             return
+        self._capture.clear()
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if keep and self.cache.get_seq_length():
             for layer in self.cache.layers:
