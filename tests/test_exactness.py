@@ -185,6 +185,10 @@ def test_buffered_layer_relayouts_work_in_place():
     layer.grow(rows=4, columns=0)  # more rows than the buffer has room for: a larger one
     assert layer.keys.shape[0] == 7 and layer.keys.data_ptr() != buffer
     assert not layer.keys[3:].any() and torch.equal(layer.keys[:3, :, 5], torch.ones(3, 2, 4))
+    before = layer.keys.clone(), layer.values.clone()
+    layer.crop(-2)  # DynamicLayer's own: assigns keys, then reads values to cut them
+    for got, old in zip((layer.keys, layer.values), before):
+        assert torch.equal(got, old[:, :, :4])
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

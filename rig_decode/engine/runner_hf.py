@@ -154,15 +154,15 @@ class BufferedLayer(DynamicLayer):
         super().__init__()
         self._k = self._v = None
         self._nk = self._nv = 0
-        self._rows: int | None = None  # rows in use of the layer's own buffer; None: an installed tensor
+        self._bk = self._bv = 0  # rows in use (of the buffer's rows)
+        self._owned = False  # the buffers are the layer's own (re-layouts may write into them)
         self.scatter: tuple[torch.Tensor, torch.Tensor, int] | None = None
         """Set by the runner for a packed step: new token j goes to row ``rows[j]``, column
         ``cols[j]``, of a layer ``width`` columns wide."""
 
-    def _view(self, buf, n):
-        if buf is None or buf.dim() != 4:
-            return buf
-        return buf[: self._rows, :, :n] if self._rows is not None else buf[:, :, :n]
+    @staticmethod
+    def _view(buf, rows, n):
+        return buf if buf is None or buf.dim() != 4 else buf[:rows, :, :n]
 
     @staticmethod
     def _width(t):
@@ -170,28 +170,30 @@ class BufferedLayer(DynamicLayer):
 
     @property
     def keys(self):
-        return self._view(self._k, self._nk)
+        return self._view(self._k, self._bk, self._nk)
 
     @keys.setter
     def keys(self, t):
-        self._k, self._nk, self._rows = t, self._width(t), None
+        self._k, self._nk, self._bk, self._owned = t, self._width(t), self._batch(t), False
 
     @property
     def values(self):
-        return self._view(self._v, self._nv)
+        return self._view(self._v, self._bv, self._nv)
 
     @values.setter
     def values(self, t):
-        self._v, self._nv, self._rows = t, self._width(t), None
+        self._v, self._nv, self._bv, self._owned = t, self._width(t), self._batch(t), False
+
+    @staticmethod
+    def _batch(t):
+        return t.shape[0] if t is not None and t.dim() == 4 else 0
 
     @property
     def batch(self) -> int:
-        if self._k is None or self._k.dim() != 4:
-            return 0
-        return self._rows if self._rows is not None else self._k.shape[0]
+        return self._bk
 
     def _has_room(self, rows: int, width: int) -> bool:
-        return self._rows is not None and self._k.shape[0] >= rows and self._k.shape[2] >= width
+        return self._owned and self._k.shape[0] >= rows and self._k.shape[2] >= width
 
     def _move_to_new_buffers(self, like: torch.Tensor, rows: int, width: int) -> None:
         """Move to buffers of the layer's own with room beyond ``rows`` x ``width``, keeping what the
@@ -202,7 +204,7 @@ class BufferedLayer(DynamicLayer):
         b, n = self.batch, self._nk
         if n:
             k[:b, :, :n], v[:b, :, :n] = self.keys, self.values
-        self._k, self._v, self._rows = k, v, b
+        self._k, self._v, self._bk, self._bv, self._owned = k, v, b, b, True
 
     def reserve(self, width: int, like: torch.Tensor, zero: bool = True) -> None:
         """Make the layer ``width`` columns wide (new columns zeroed unless ``zero`` is off), moving
@@ -211,10 +213,10 @@ class BufferedLayer(DynamicLayer):
         n = self._nk
         if not self._has_room(like.shape[0], width):
             self._move_to_new_buffers(like, like.shape[0], width)
-            self._rows = like.shape[0]
+            self._bk = self._bv = like.shape[0]
         if zero and width > n:
-            self._k[: self._rows, :, n:width] = 0
-            self._v[: self._rows, :, n:width] = 0
+            self._k[: self._bk, :, n:width] = 0
+            self._v[: self._bv, :, n:width] = 0
         self._nk = self._nv = max(n, width)
 
     def grow(self, rows: int, columns: int) -> None:
@@ -226,11 +228,12 @@ class BufferedLayer(DynamicLayer):
         for buf in (self._k, self._v):
             buf[:b, :, n:width] = 0
             buf[b : b + rows, :, :width] = 0
-        self._rows, self._nk, self._nv = b + rows, width, width
+        self._bk = self._bv = b + rows
+        self._nk = self._nv = width
 
     def select_rows(self, keep: list[int]) -> None:
         """Keep only rows ``keep``, in that order, in place."""
-        if self._rows is None:
+        if not self._owned:
             self._move_to_new_buffers(self._k, self.batch, self._nk)
         n = self._nk
         if keep == sorted(set(keep)):  # each kept row moves up or stays: none is overwritten before it is read
@@ -242,12 +245,12 @@ class BufferedLayer(DynamicLayer):
             index = torch.tensor(keep, device=self._k.device)
             for buf in (self._k, self._v):
                 buf[: len(keep), :, :n] = buf[index, :, :n]
-        self._rows = len(keep)
+        self._bk = self._bv = len(keep)
 
     def gather_columns(self, order: torch.Tensor, rows: list[int]) -> None:
         """Column ``j`` of row ``r`` becomes its column ``order[r, j]`` (``order``: ``[batch, width]``);
         only ``rows`` move, the others' first ``width`` columns are already in that order."""
-        if self._rows is None:
+        if not self._owned:
             self._move_to_new_buffers(self._k, self.batch, self._nk)
         width = order.shape[1]
         for r in rows:
@@ -266,8 +269,8 @@ class BufferedLayer(DynamicLayer):
             return self.keys, self.values
         n, w = self._nk, key_states.shape[-2]
         self.reserve(n + w, key_states, zero=False)
-        self._k[: self._rows, :, n : n + w] = key_states
-        self._v[: self._rows, :, n : n + w] = value_states
+        self._k[: self._bk, :, n : n + w] = key_states
+        self._v[: self._bv, :, n : n + w] = value_states
         return self.keys, self.values
 
     def truncate(self, width: int) -> None:
