@@ -263,15 +263,21 @@ class BufferedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         if self.scatter is not None:  # packed tokens [1, heads, T, dim], each to its own row and column
             rows, cols, width = self.scatter
-            self.reserve(width, self.keys)
-            self._k[rows, :, cols] = key_states[0].transpose(0, 1)
-            self._v[rows, :, cols] = value_states[0].transpose(0, 1)
+            self.write(rows, cols, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), width)
             return self.keys, self.values
         n, w = self._nk, key_states.shape[-2]
         self.reserve(n + w, key_states, zero=False)
         self._k[: self._bk, :, n : n + w] = key_states
         self._v[: self._bv, :, n : n + w] = value_states
         return self.keys, self.values
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              width: int) -> None:
+        """Write token ``j``'s key and value (``[T, kv_heads, dim]``) at row ``rows[j]``, column
+        ``cols[j]``; the layer becomes ``width`` columns wide (at least)."""
+        self.reserve(width, self.keys)
+        self._k[rows, :, cols] = keys
+        self._v[rows, :, cols] = values
 
     def truncate(self, width: int) -> None:
         """Drop every column from ``width`` on (a view: nothing is copied)."""
@@ -448,13 +454,13 @@ class HFModelRunner:
     def _capture_prefix(self) -> None:
         """A lone new row whose prompt is now in the cache (its first columns, in order: it was
         seeded at the left and fed right after) leaves a copy of that KV as the cached prefix."""
-        for row, ids in list(self._capture.items()):
+        for row, ids in self._capture.items():
             n = len(ids)
             if self.lengths[row] >= n and bool(self.attn[row, :n].all()):
                 layers = self.cache.layers
                 self._prefix = (ids, [(layer.keys[row : row + 1, :, :n].clone(),
                                        layer.values[row : row + 1, :, :n].clone()) for layer in layers])
-            del self._capture[row]
+        self._capture.clear()
 
     def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]]) -> torch.Tensor:
         widths = {i: kv[0][0].shape[2] for i, (kv, _) in staged.items()}
@@ -481,14 +487,11 @@ class HFModelRunner:
             shift.append(local.float().cpu() + self.lengths[i])
         rows_idx, cols_idx = torch.cat(rows_idx).to(self.device), torch.cat(cols_idx).to(self.device)
         shift = torch.cat(shift).to(self.device)
-        counts = {i: widths[i] for i in staged}
-        width = max(self.num_columns, *(self.ends[i] + n for i, n in counts.items()))
+        width = max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
         for li, layer in enumerate(self.cache.layers):
-            layer.reserve(width, layer.keys)
-            for i, (kv, _) in staged.items():
-                end, n = self.ends[i], counts[i]
-                layer.keys[i, :, end : end + n], layer.values[i, :, end : end + n] = kv[li][0][0], kv[li][1][0]
-        self._mark_written(counts, width)
+            keys, values = ([kv[li][part][0].transpose(0, 1) for kv, _ in staged.values()] for part in (0, 1))
+            layer.write(rows_idx, cols_idx, torch.cat(keys).to(self.device), torch.cat(values).to(self.device), width)
+        self._mark_written(widths, width)
         rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
                            self._rope_inv_freq())
 
