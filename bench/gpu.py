@@ -11,7 +11,8 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
 2. evidence prefill tokens/s: the retrieve marker's last token plus a 256-token evidence block fed
    into a row's cache in one step;
 3. per-hop cost at 2k and 8k context: that splice vs a re-prefill of context + evidence from
-   scratch (what string-based RIG systems do), in ms, and their ratio;
+   scratch (what string-based RIG systems do), in ms, and their ratio; and the KV buffers the
+   row holds then (spare columns included) beside its tokens' own KV;
 4. the zero-prefill splice of the same hop: the block's KV assembled from a warm ``ChunkKVStore``
    (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed;
 5. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row;
@@ -297,6 +298,9 @@ class Bench:
         r.add("evidence prefill", f"{len(new)} tokens, {context} ctx", len(new) * 1e3 / splice, "tokens/s",
               "evidence_prefill_tok_s", context)
         r.add("hop", f"splice, {context} ctx", splice, "ms", "splice_ms", context)
+        slots, tokens = runner.reserved_slots, len(ctx) + len(new)
+        r.add("hop", f"KV held, {context} ctx", slots, f"token slots for {tokens:,} tokens "
+              f"({slots * kv_bytes_per_token_of(self.model) / GiB:.2f} GiB)", "kv_held_slots", context)
         self.zero_prefill(runner, new, context, undo)
         del runner  # the re-prefill builds its own cache: do not hold two under the cap
         again = self.reprefill_ms(ctx + new)

@@ -40,6 +40,10 @@ def _check(proc: subprocess.CompletedProcess) -> dict:
     for key in ("evict_ms", "search_ms", "weights_gb", "index_gb", "kv_bytes_per_token", "planned_max_kv_tokens",
                 "peak_gb", "cap_gb"):
         assert _positive(result[key]), (key, result.get(key))
+    # A hop's row holds its tokens plus spare columns (a quarter, at least 64), and no spare row.
+    for c, held in result["kv_held_slots"].items():
+        tokens = int(c) + 1 + result["evidence_tokens"]
+        assert tokens <= held <= tokens + max(64, tokens // 4), (c, held)
     # Optional pieces are figures or n/a with a reason, never missing.
     assert _positive(result["rerank_ms"]) or result["na"]["rerank_ms"]
     assert result["fits_under_cap"] is None and result["na"]["fits_under_cap"]

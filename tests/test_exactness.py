@@ -191,6 +191,34 @@ def test_buffered_layer_relayouts_work_in_place():
         assert torch.equal(got, old[:, :, :4])
 
 
+def test_buffered_layer_spare_room():
+    """Spare columns come with every move to a larger buffer, spare rows only with rows joining (a
+    lone long row does not pay for a second one), and ``max_slots`` bounds the spare room but
+    never what the rows in use need."""
+    from rig_decode.engine.runner_hf import BufferedLayer
+
+    def kv(rows, cols):
+        return torch.randn(rows, 2, cols, 4), torch.randn(rows, 2, cols, 4)
+
+    lone = BufferedLayer()
+    lone.update(*kv(1, 100))
+    assert lone.capacity == 1 * (100 + 64)  # MIN_SPARE columns, no spare row
+    lone.update(*kv(1, 100))  # outgrows its columns: more of them, still one row
+    assert lone.capacity == 1 * (200 + 64)
+    lone.grow(rows=3, columns=0)  # rows joining: room for one more
+    assert lone.capacity == 5 * 264 and lone.keys.shape[:3] == (4, 2, 200)
+    lone.update(*kv(4, 100))  # outgrowing the columns keeps the spare row
+    assert lone.capacity == 5 * 375
+
+    bounded = BufferedLayer(max_slots=300)
+    bounded.update(*kv(2, 100))
+    assert bounded.capacity == 300  # 2 x 150: the spare columns shrink to fit
+    bounded.grow(rows=1, columns=0)
+    assert bounded.capacity == 300 and bounded.keys.shape[:3] == (3, 2, 100)
+    bounded.update(*kv(3, 10))  # the rows need more than the bound: exactly that, no spare room
+    assert bounded.capacity == 3 * 110 and bounded.get_seq_length() == 110
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_rows_write_their_own_columns(attention):
     """Every row writes at its own next column: a row splicing an evidence block leaves the other

@@ -162,6 +162,7 @@ def test_admission_control_queues_within_the_kv_budget(model, tok):
         e.step()
         most = max(most, len(e.running))
         assert e.runner.num_slots <= 2 * worst
+        assert e.runner.reserved_slots <= 2 * worst, "the cache's buffers (spare room included) outgrew the budget"
     assert most == 2 and all(s.finish_reason in ("stop", "length") for s in seqs)
     assert seqs[4].trace.queue_ms > seqs[0].trace.queue_ms
     with pytest.raises(ValueError, match="KV budget"):

@@ -107,7 +107,7 @@ class RigEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         if runner is None and model is None:
             raise ValueError("RigEngine needs a model or a runner")
-        self.runner = runner if runner is not None else HFModelRunner(model, pad)
+        self.runner = runner if runner is not None else HFModelRunner(model, pad, options.kv_budget_tokens)
         if options.append_format not in ("full", "summary"):
             raise ValueError(f"append_format must be full or summary, got {options.append_format!r}")
         self.chunks = None

@@ -137,7 +137,11 @@ class BufferedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are the first rows and columns of a larger buffer.
 
     ``update`` writes new columns in place while the buffer has room and otherwise moves to one
-    ``HEADROOM`` larger (rows and columns), so growth is amortised. The runner's re-layouts work in
+    ``HEADROOM`` wider, so growth is amortised. Spare rows come only with rows joining (``grow``): a
+    lone long row must not pay for a second one it may never get (a 32B model's 8k-token row is
+    2 GiB of KV). A buffer never holds more than ``max_slots`` token slots (rows x columns, the
+    engine's KV budget) unless the rows in use need them: spare room shrinks to fit, spare rows
+    first. The runner's re-layouts work in
     place in a buffer the layer allocated: ``grow`` (rows joining, wider rows) zeroes spare rows and
     columns, ``select_rows`` (rows leaving) moves only the rows after a leaving one, and
     ``gather_columns`` (compaction) moves only the rows whose tokens are not already left-aligned;
@@ -150,8 +154,9 @@ class BufferedLayer(DynamicLayer):
     HEADROOM = 0.25
     MIN_SPARE = 64
 
-    def __init__(self):
+    def __init__(self, max_slots: int | None = None):
         super().__init__()
+        self.max_slots = max_slots
         self._k = self._v = None
         self._nk = self._nv = 0
         self._bk = self._bv = 0  # rows in use (of the buffer's rows)
@@ -195,11 +200,20 @@ class BufferedLayer(DynamicLayer):
     def _has_room(self, rows: int, width: int) -> bool:
         return self._owned and self._k.shape[0] >= rows and self._k.shape[2] >= width
 
-    def _move_to_new_buffers(self, like: torch.Tensor, rows: int, width: int) -> None:
-        """Move to buffers of the layer's own with room beyond ``rows`` x ``width``, keeping what the
-        layer holds (``like``: a tensor of the cache's heads, dtype and head size)."""
-        cap_rows = rows + max(1, int(rows * self.HEADROOM))
+    @property
+    def capacity(self) -> int:
+        """Token slots (rows x columns) the buffers hold, spare room included: what memory is spent on."""
+        return 0 if self._k is None or self._k.dim() != 4 else self._k.shape[0] * self._k.shape[2]
+
+    def _move_to_new_buffers(self, like: torch.Tensor, rows: int, width: int, spare_rows: int = 0) -> None:
+        """Move to buffers of the layer's own with room for ``rows`` + ``spare_rows`` rows and spare
+        columns beyond ``width`` (within ``max_slots``), keeping what the layer holds (``like``: a
+        tensor of the cache's heads, dtype and head size)."""
+        cap_rows = rows + spare_rows
         cap = width + max(self.MIN_SPARE, int(width * self.HEADROOM))
+        if self.max_slots is not None:
+            cap_rows = max(rows, min(cap_rows, self.max_slots // cap))
+            cap = max(width, min(cap, self.max_slots // cap_rows))
         k, v = (like.new_empty(cap_rows, like.shape[1], cap, like.shape[3]) for _ in range(2))
         b, n = self.batch, self._nk
         if n:
@@ -210,10 +224,11 @@ class BufferedLayer(DynamicLayer):
         """Make the layer ``width`` columns wide (new columns zeroed unless ``zero`` is off), moving
         to a larger buffer when this one has no room. ``like``: a tensor of the layer's batch,
         heads, dtype and head size."""
-        n = self._nk
-        if not self._has_room(like.shape[0], width):
-            self._move_to_new_buffers(like, like.shape[0], width)
-            self._bk = self._bv = like.shape[0]
+        n, rows = self._nk, like.shape[0]
+        if not self._has_room(rows, width):
+            spare = self._k.shape[0] - rows if self._owned else 0  # keep the spare rows joins made
+            self._move_to_new_buffers(like, rows, width, spare_rows=max(0, spare))
+            self._bk = self._bv = rows
         if zero and width > n:
             self._k[: self._bk, :, n:width] = 0
             self._v[: self._bv, :, n:width] = 0
@@ -224,7 +239,7 @@ class BufferedLayer(DynamicLayer):
         b, n = self.batch, self._nk
         width = n + columns
         if not self._has_room(b + rows, width):
-            self._move_to_new_buffers(self._k, b + rows, width)
+            self._move_to_new_buffers(self._k, b + rows, width, spare_rows=max(1, int((b + rows) * self.HEADROOM)))
         for buf in (self._k, self._v):
             buf[:b, :, n:width] = 0
             buf[b : b + rows, :, :width] = 0
@@ -287,10 +302,11 @@ class BufferedLayer(DynamicLayer):
         return self._nk
 
 
-def new_cache(config) -> DynamicCache:
-    """A ``DynamicCache`` whose full-attention layers are ``BufferedLayer``s."""
+def new_cache(config, max_slots: int | None = None) -> DynamicCache:
+    """A ``DynamicCache`` whose full-attention layers are ``BufferedLayer``s (of at most ``max_slots``
+    token slots each, beyond what their rows need)."""
     cache = DynamicCache(config=config)
-    cache.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [BufferedLayer(max_slots) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -298,8 +314,11 @@ class HFModelRunner:
     MIN_SHARED_PREFIX = 16
     COMPACT_AT = 0.25  # compact once this share of the columns lies beyond the longest row's length
 
-    def __init__(self, model, pad_id: int):
-        self.model, self.pad_id = model, pad_id
+    def __init__(self, model, pad_id: int, max_slots: int | None = None):
+        """``max_slots``: token slots (rows x columns) the cache's buffers may hold, spare room
+        included, beyond which they grow only as far as the rows in use need (the engine's KV
+        budget); None: no bound."""
+        self.model, self.pad_id, self.max_slots = model, pad_id, max_slots
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
         self.attn: torch.Tensor | None = None  # [B, columns], 1 = real token
@@ -327,8 +346,14 @@ class HFModelRunner:
         """Token slots the cache holds (rows x columns), holes included: what memory is spent on."""
         return self.batch_size * self.num_columns
 
+    @property
+    def reserved_slots(self) -> int:
+        """Token slots the cache's buffers hold, spare rows and columns included: what memory is
+        allocated (per layer; times ``kv_bytes_per_token_of(model)`` for bytes)."""
+        return 0 if self.cache is None else max(layer.capacity for layer in self.cache.layers)
+
     def reset(self, batch_size: int = 0) -> None:
-        self.cache = new_cache(self.model.config)
+        self.cache = new_cache(self.model.config, self.max_slots)
         other = {type(layer).__name__ for layer in self.cache.layers if not isinstance(layer, BufferedLayer)}
         if other:
             raise ValueError(f"the runner serves full-attention models only; this one has {', '.join(sorted(other))} "
