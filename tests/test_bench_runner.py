@@ -1,0 +1,35 @@
+"""bench/splice.py and bench/decode_step.py at tiny sizes on the embedded default: they drive the
+runner directly (cropping, re-prefilling, packed steps), so a runner change that breaks them fails
+here rather than in the next benchmark run. Each prints a table, then one JSON line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(script: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) > 1, proc.stdout
+    return json.loads(lines[-1])
+
+
+def test_splice_bench(real):
+    result = _bench("splice.py", "--contexts", "64,128", "--evidence", "32", "--repeats", "1")
+    assert [r["context"] for r in result["rows"]] == [64, 128]
+    for r in result["rows"]:
+        assert r["new_tokens"] == 33  # the marker's end token and the evidence block
+        assert all(r[k] > 0 for k in ("splice_ms", "floor_ms", "reprefill_ms", "no_ctx_ms")), r
+
+
+def test_decode_step_bench_set_ups_compute_the_same(real):
+    result = _bench("decode_step.py", "--batches", "1,2", "--contexts", "32", "--steps", "2", "--repeats", "1")
+    assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 32), (2, 32)]
+    for r in result["rows"]:
+        assert r["identical_cache"] and r["same_argmax_packed"], r
+        assert all(r[k] > 0 for k in ("dynamic_ms", "buffered_ms", "packed_ms")), r
