@@ -343,7 +343,7 @@ class HFModelRunner:
 
     @property
     def num_slots(self) -> int:
-        """Token slots the cache holds (rows x columns), holes included: what memory is spent on."""
+        """Token slots in use (rows x columns), holes included (``reserved_slots``: what is allocated)."""
         return self.batch_size * self.num_columns
 
     @property
