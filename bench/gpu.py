@@ -322,7 +322,7 @@ class Bench:
         metric = f"splice, {context} ctx"
         try:
             ms = self.clock.median_ms(hop, self.shapes.repeats, reset=undo)
-        except torch.cuda.OutOfMemoryError as e:  # the staged step copies the row's cache: report, go on
+        except torch.cuda.OutOfMemoryError as e:  # report it, and go on to the re-prefill
             self.oom = True
             self.report.missing("zero-prefill", metric, "zero_prefill_ms", f"out of memory under the cap: "
                                 f"{str(e).splitlines()[0]}", context)

@@ -19,9 +19,10 @@ print(torch.utils.cmake_prefix_path); print(torch.version.cuda or ""); print(sys
   || fail "no Python with torch found (${PYTHON:-python3}): run scripts/setup.sh"
 { read -r TORCH_PREFIX; read -r TORCH_CUDA; read -r PYTHON; } <<<"$info"
 # A CUDA build of torch cannot even be configured without the CUDA toolkit (its CMake config asks for it).
-if [ -n "$TORCH_CUDA" ] && ! command -v nvcc >/dev/null && [ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
-  fail "torch is a CUDA $TORCH_CUDA build, whose CMake config needs the CUDA toolkit (nvcc): none found;" \
-    "install it (or set CUDA_HOME), or use a CPU build of torch"
+if [ -n "$TORCH_CUDA" ] && ! command -v nvcc >/dev/null; then
+  [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] || fail "torch is a CUDA $TORCH_CUDA build, whose CMake config" \
+    "needs the CUDA toolkit (nvcc): none found; install it (or set CUDA_HOME), or use a CPU build of torch"
+  export CUDACXX=${CUDACXX:-${CUDA_HOME:-/usr/local/cuda}/bin/nvcc}  # CMake looks on PATH and in CUDACXX only
 fi
 
 start=$(date +%s)

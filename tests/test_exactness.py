@@ -193,8 +193,8 @@ def test_buffered_layer_relayouts_work_in_place():
 
 def test_buffered_layer_spare_room():
     """Spare columns come with every move to a larger buffer, spare rows only with rows joining (a
-    lone long row does not pay for a second one), and ``max_slots`` bounds the spare room but
-    never what the rows in use need."""
+    lone long row does not pay for a second one), and ``max_slots`` bounds the spare room (spare
+    rows first, then columns down to ``MIN_SPARE``), never what the rows in use need."""
     from rig_decode.engine.runner_hf import BufferedLayer
 
     def kv(rows, cols):
@@ -210,13 +210,15 @@ def test_buffered_layer_spare_room():
     lone.update(*kv(4, 100))  # outgrowing the columns keeps the spare row
     assert lone.capacity == 5 * 375
 
-    bounded = BufferedLayer(max_slots=300)
-    bounded.update(*kv(2, 100))
-    assert bounded.capacity == 300  # 2 x 150: the spare columns shrink to fit
-    bounded.grow(rows=1, columns=0)
-    assert bounded.capacity == 300 and bounded.keys.shape[:3] == (3, 2, 100)
-    bounded.update(*kv(3, 10))  # the rows need more than the bound: exactly that, no spare room
-    assert bounded.capacity == 3 * 110 and bounded.get_seq_length() == 110
+    bounded = BufferedLayer(max_slots=950)
+    bounded.update(*kv(2, 400))
+    assert bounded.capacity == 950  # 2 x (400 + 75): the spare columns (100) shrink to fit
+    bounded.grow(rows=1, columns=0)  # 3 rows need more than the bound: no spare row, MIN_SPARE columns
+    assert bounded.capacity == 3 * (400 + 64) and bounded.keys.shape[:3] == (3, 2, 400)
+    bounded.update(*kv(3, 64))  # fills them in place
+    assert bounded.capacity == 3 * 464
+    bounded.update(*kv(3, 1))  # then a move, again with MIN_SPARE columns, not one
+    assert bounded.capacity == 3 * (465 + 64) and bounded.get_seq_length() == 465
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -307,6 +309,28 @@ def test_a_row_leaving_leaves_the_cache_as_wide_as_the_longest_row():
     assert runner.lengths == [11, 101] and runner.num_columns == 101
     logits = runner.step([[8], [9]])
     for got, ids in zip(logits, (rows[1] + [6, 8], rows[2] + [7, 9])):
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_join_a_cache_that_holds_no_column_yet():
+    """A row that joined is cancelled before its first step and the rows left have fed nothing
+    either (the cache has spare rows but no columns); more rows join, and the first step computes
+    each row exactly."""
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    from .helpers import tiny_model
+
+    model = tiny_model(600)
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([[3, 4, 5]])
+    first = runner.add_rows([[6, 7]], share_prefix=False)[0]
+    runner.select([1])  # the prefilled row leaves: the joined row has nothing cached
+    assert runner.num_columns == 0
+    second = runner.add_rows([[8, 9, 10]], share_prefix=False)[0]
+    logits = runner.step([first, second])
+    for got, ids in zip(logits, ([6, 7], [8, 9, 10])):
         with torch.no_grad():
             want = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

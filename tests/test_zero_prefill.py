@@ -87,9 +87,29 @@ def test_block_kv_matches_pieces_and_store_is_bounded(model, tok):
         store.block_kv(block.token_ids, block.segments[:-1], 4)
 
 
-def test_staged_rows_need_a_token_after_the_staged_ones(model):
+def test_bad_staged_kv_is_refused_before_anything_changes(model):
+    """Each malformed staging raises an error that names the problem, and the row is left as it
+    was: the next plain step still computes exactly what a fresh prefill does."""
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([[5, 6, 7, 8]])
-    kv = [(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))] * 2
-    with pytest.raises(ValueError, match="at least one after"):
-        runner.step([[9, 10, 11, 12]], staged={0: (kv, torch.zeros(3))})
+
+    def kv(layers=2, n=3, heads=2, dtype=torch.float32):
+        return [(torch.zeros(1, heads, n, 16, dtype=dtype), torch.zeros(1, heads, n, 16, dtype=dtype))] * layers
+
+    feed = [9, 10, 11, 12, 13]
+    cases = [
+        ({0: (kv(), torch.zeros(3))}, feed[:4], "at least one after"),
+        ({0: (kv(), torch.zeros(2))}, feed, "gives \\(2,\\) shifts"),
+        ({0: (kv(layers=1), torch.zeros(3))}, feed, "KV for 1 layers; the model has 2"),
+        ({0: (kv(heads=1), torch.zeros(3))}, feed, "layer 0: staged KV is \\(1, 1, 3, 16\\)"),
+        ({0: (kv(dtype=torch.float16), torch.zeros(3))}, feed, "torch.float16, expected"),
+        ({1: (kv(), torch.zeros(3))}, feed, "staged row 1 is not in the batch of 1"),
+    ]
+    for staged, rows, message in cases:
+        with pytest.raises(ValueError, match=message):
+            runner.step([rows], staged=staged)
+        assert (runner.lengths, runner.num_columns) == ([4], 4)
+    logits = runner.step([[9]])
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits[0, -1].float()
+    torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=1e-4)

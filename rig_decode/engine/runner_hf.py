@@ -139,9 +139,10 @@ class BufferedLayer(DynamicLayer):
     ``update`` writes new columns in place while the buffer has room and otherwise moves to one
     ``HEADROOM`` wider, so growth is amortised. Spare rows come only with rows joining (``grow``): a
     lone long row must not pay for a second one it may never get (a 32B model's 8k-token row is
-    2 GiB of KV). A buffer never holds more than ``max_slots`` token slots (rows x columns, the
-    engine's KV budget) unless the rows in use need them: spare room shrinks to fit, spare rows
-    first. The runner's re-layouts work in
+    2 GiB of KV). ``max_slots`` (token slots, rows x columns: the engine's KV budget) bounds the
+    spare room: spare rows go first, then spare columns, but never below ``MIN_SPARE`` columns, so
+    a cache at its budget still moves once per ``MIN_SPARE`` steps rather than at every step (the
+    bound is exceeded by at most that many columns per row). The runner's re-layouts work in
     place in a buffer the layer allocated: ``grow`` (rows joining, wider rows) zeroes spare rows and
     columns, ``select_rows`` (rows leaving) moves only the rows after a leaving one, and
     ``gather_columns`` (compaction) moves only the rows whose tokens are not already left-aligned;
@@ -209,12 +210,11 @@ class BufferedLayer(DynamicLayer):
         """Move to buffers of the layer's own with room for ``rows`` + ``spare_rows`` rows and spare
         columns beyond ``width`` (within ``max_slots``), keeping what the layer holds (``like``: a
         tensor of the cache's heads, dtype and head size)."""
-        cap_rows = rows + spare_rows
-        cap = width + max(self.MIN_SPARE, int(width * self.HEADROOM))
-        if self.max_slots is not None:
-            cap_rows = max(rows, min(cap_rows, self.max_slots // cap))
-            cap = max(width, min(cap, self.max_slots // cap_rows))
-        k, v = (like.new_empty(cap_rows, like.shape[1], cap, like.shape[3]) for _ in range(2))
+        cap_rows, spare = rows + spare_rows, max(self.MIN_SPARE, int(width * self.HEADROOM))
+        if self.max_slots is not None:  # spare rows go first, then spare columns down to MIN_SPARE
+            cap_rows = max(rows, min(cap_rows, self.max_slots // (width + spare)))
+            spare = max(self.MIN_SPARE, min(spare, self.max_slots // cap_rows - width))
+        k, v = (like.new_empty(cap_rows, like.shape[1], width + spare, like.shape[3]) for _ in range(2))
         b, n = self.batch, self._nk
         if n:
             k[:b, :, :n], v[:b, :, :n] = self.keys, self.values
@@ -228,7 +228,10 @@ class BufferedLayer(DynamicLayer):
         if not self._has_room(rows, width):
             spare = self._k.shape[0] - rows if self._owned else 0  # keep the spare rows joins made
             self._move_to_new_buffers(like, rows, width, spare_rows=max(0, spare))
-            self._bk = self._bv = rows
+        if rows > self._bk:  # rows that joined while no column was cached: holes so far
+            self._k[self._bk : rows, :, :n] = 0
+            self._v[self._bv : rows, :, :n] = 0
+        self._bk = self._bv = rows
         if zero and width > n:
             self._k[: self._bk, :, n:width] = 0
             self._v[: self._bv, :, n:width] = 0
@@ -303,8 +306,8 @@ class BufferedLayer(DynamicLayer):
 
 
 def new_cache(config, max_slots: int | None = None) -> DynamicCache:
-    """A ``DynamicCache`` whose full-attention layers are ``BufferedLayer``s (of at most ``max_slots``
-    token slots each, beyond what their rows need)."""
+    """A ``DynamicCache`` whose full-attention layers are ``BufferedLayer``s (whose spare room
+    ``max_slots`` bounds)."""
     cache = DynamicCache(config=config)
     cache.layers = [BufferedLayer(max_slots) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
@@ -316,8 +319,8 @@ class HFModelRunner:
 
     def __init__(self, model, pad_id: int, max_slots: int | None = None):
         """``max_slots``: token slots (rows x columns) the cache's buffers may hold, spare room
-        included, beyond which they grow only as far as the rows in use need (the engine's KV
-        budget); None: no bound."""
+        included (the engine's KV budget; ``BufferedLayer`` says how it bounds them); None: no
+        bound."""
         self.model, self.pad_id, self.max_slots = model, pad_id, max_slots
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | None = None
@@ -488,11 +491,7 @@ class HFModelRunner:
         self._capture.clear()
 
     def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]]) -> torch.Tensor:
-        widths = {i: kv[0][0].shape[2] for i, (kv, _) in staged.items()}
-        for i, n in widths.items():
-            if len(rows[i]) < n + 2:
-                raise ValueError(f"row {i} stages {n} tokens but feeds only {len(rows[i])}: it needs its "
-                                 "first token before them and at least one after")
+        widths = {i: self._check_staged(i, kv, shift, rows) for i, (kv, shift) in staged.items()}
         logits = self.step([r[:1] for r in rows])
         self._append_staged(staged, widths)
         rest = [r[1 + widths.get(i, 0):] for i, r in enumerate(rows)]
@@ -500,6 +499,31 @@ class HFModelRunner:
         if long:
             logits[long] = self.step(rest)[long]
         return logits
+
+    def _check_staged(self, row: int, kv: list, shift: torch.Tensor, rows: list[list[int]]) -> int:
+        """The number of tokens row ``row`` stages, once its KV and shifts fit the cache and the
+        tokens it feeds (checked before anything is fed or written)."""
+        layers = self.cache.layers
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"staged row {row} is not in the batch of {self.batch_size}")
+        if len(kv) != len(layers):
+            raise ValueError(f"row {row} stages KV for {len(kv)} layers; the model has {len(layers)}")
+        like = layers[0].keys
+        if like is None or like.dim() != 4:
+            raise ValueError("nothing is cached yet: staged KV follows tokens the rows already hold")
+        n = kv[0][0].shape[2]
+        want = (1, like.shape[1], n, like.shape[3])
+        for li, pair in enumerate(kv):
+            for t in pair:
+                if tuple(t.shape) != want or t.dtype != like.dtype:
+                    raise ValueError(f"row {row}, layer {li}: staged KV is {tuple(t.shape)} {t.dtype}, "
+                                     f"expected {want} {like.dtype}")
+        if tuple(shift.shape) != (n,):
+            raise ValueError(f"row {row} stages {n} tokens but gives {tuple(shift.shape)} shifts")
+        if len(rows[row]) < n + 2:
+            raise ValueError(f"row {row} stages {n} tokens but feeds only {len(rows[row])}: it needs its first token "
+                             "before them and at least one after")
+        return n
 
     def _append_staged(self, staged, widths: dict[int, int]) -> None:
         """Copy staged KV into each staged row's next columns, keys rotated from piece-local
