@@ -59,7 +59,9 @@ def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shif
 def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
                        inv_freq: torch.Tensor) -> list[torch.Tensor]:
     """``rope_shift_`` on every layer's keys (one shape) with the same entries: the arguments are
-    checked once, not once per layer (the index bounds cost a device sync on CUDA)."""
+    checked here once, not once per layer (the index bounds cost a device sync on CUDA). The native
+    op, callable on its own, checks its indices again at each call: one small sync per layer on
+    CUDA (tens of microseconds for a 64-layer model, beside a hop's forward of tens of ms)."""
     if not layers:
         return layers
     _check(layers[0], rows, cols, shift, inv_freq)
