@@ -176,3 +176,15 @@ def test_rig_native_0_disables_it(monkeypatch):
     finally:
         monkeypatch.delenv("RIG_NATIVE")
         assert native.available(reload=True), native.load_error()
+
+
+def test_a_forced_backend_that_cannot_serve_the_device_says_so(monkeypatch):
+    monkeypatch.setenv("RIG_KERNELS", "native")
+    if not native.supports("cuda"):
+        with pytest.raises(RuntimeError, match="no cuda kernel"):
+            kernels.backend_for(torch.device("cuda"))
+    assert kernels.backend_for(torch.device("cpu")) == "native"
+    monkeypatch.setenv("RIG_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1" if kernels.has_triton() else "not installed"):
+        kernels.backend_for(torch.device("cpu"))

@@ -83,8 +83,14 @@ def test_block_kv_matches_pieces_and_store_is_bounded(model, tok):
     assert (small.hits, len(small)) == (1, 1)
     small.get(block.token_ids[-block.segments[-1]:])
     assert len(small) == 1 and small.num_bytes <= one
-    with pytest.raises(ValueError, match="segments cover"):
+    with pytest.raises(ValueError, match="must be lengths covering the block's"):
         store.block_kv(block.token_ids, block.segments[:-1], 4)
+    with pytest.raises(ValueError, match="must be lengths covering the block's"):
+        store.block_kv(block.token_ids, [-1, 1 + block.segments[0], *block.segments[1:]], 4)
+    # An empty piece is skipped, not taken for the end of the block.
+    gapped, gapped_shifts = store.block_kv(block.token_ids, [block.segments[0], 0, *block.segments[1:]], 9)
+    torch.testing.assert_close(gapped_shifts, store.block_kv(block.token_ids, block.segments, 9)[1])
+    assert gapped[0][0].shape[2] == 9
 
 
 def test_bad_staged_kv_is_refused_before_anything_changes(model):

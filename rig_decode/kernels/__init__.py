@@ -7,8 +7,8 @@
 * ``triton``: ``triton_rope.py``, on CUDA tensors when Triton imports;
 * ``torch``: ``rope.py``, everywhere.
 
-``RIG_KERNELS=torch|triton|native`` forces one (an error names what is missing); the default is
-``auto``. Triton on CPU tensors runs only under ``TRITON_INTERPRET=1`` (tests), never by ``auto``.
+``RIG_KERNELS=torch|triton|native`` forces one (an error names what is missing, or what the
+device lacks); the default is ``auto``. Triton on CPU tensors runs only under ``TRITON_INTERPRET=1`` (tests), never by ``auto``.
 """
 
 from __future__ import annotations
@@ -36,10 +36,16 @@ def backend_for(device: torch.device) -> str:
     forced = os.environ.get("RIG_KERNELS", "auto")
     if forced not in ("auto", "torch", "triton", "native"):
         raise ValueError(f"RIG_KERNELS must be auto, torch, triton or native, got {forced!r}")
+    device = torch.device(device)
     if forced == "native" and not native.available():
         raise RuntimeError(f"RIG_KERNELS=native but the native extension is not built ({native.load_error()})")
+    if forced == "native" and not native.supports(device):
+        raise RuntimeError(f"RIG_KERNELS=native but the native extension has no {device.type} kernel "
+                           "(built without CUDA: rebuild with nvcc and a CUDA build of torch)")
     if forced == "triton" and not has_triton():
         raise RuntimeError("RIG_KERNELS=triton but triton is not installed (pip install rig_decode[gpu])")
+    if forced == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("RIG_KERNELS=triton on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     if forced != "auto":
         return forced
     if native.available() and native.supports(device):

@@ -67,8 +67,8 @@ class ChunkKVStore:
         """KV of the block's first ``count`` tokens from its pieces, and each column's shift to its
         place in the block (a piece cut by ``count`` contributes its first tokens: with causal
         attention a prefix's KV does not depend on what follows it)."""
-        if sum(segments) != len(token_ids):
-            raise ValueError(f"segments cover {sum(segments)} tokens, the block has {len(token_ids)}")
+        if sum(segments) != len(token_ids) or min(segments, default=0) < 0:
+            raise ValueError(f"segments {segments} must be lengths covering the block's {len(token_ids)} tokens")
         if not 0 < count <= len(token_ids):
             raise ValueError(f"count must be in 1..{len(token_ids)}, got {count}")
         parts: list[KV] = []
@@ -76,8 +76,10 @@ class ChunkKVStore:
         at = 0
         for n in segments:
             take = min(n, count - at)
-            if take <= 0:
+            if at >= count:
                 break
+            if take == 0:  # an empty piece
+                continue
             kv = self.get(token_ids[at : at + n])
             parts.append([(k[:, :, :take], v[:, :, :take]) for k, v in kv])
             shifts.append(torch.full((take,), float(at)))
