@@ -8,7 +8,8 @@
 * ``torch``: ``rope.py``, everywhere.
 
 ``RIG_KERNELS=torch|triton|native`` forces one (an error names what is missing, or what the
-device lacks); the default is ``auto``. Triton on CPU tensors runs only under ``TRITON_INTERPRET=1`` (tests), never by ``auto``.
+device lacks); the default is ``auto``. Triton on CPU tensors runs only under
+``TRITON_INTERPRET=1`` (tests), never by ``auto``.
 """
 
 from __future__ import annotations
