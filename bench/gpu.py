@@ -24,7 +24,8 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
    index, and whether every section ran under the cap.
 
 A re-prefill keeps its cache (as a real one would, to decode on). Rows are prefilled without the
-runner's shared-prefix cache, which would hold a lone prompt's KV twice.
+runner's shared-prefix cache, which would hold a lone prompt's KV twice, and the runner's KV
+buffers are bounded by the planned KV budget, as the engine bounds them.
 
 Timed regions are synchronised on CUDA; each figure is the median of a few repeats after one
 warm-up. Progress goes to stderr; stdout gets a table, then ONE JSON line last.
@@ -204,11 +205,12 @@ def evidence_segments(n: int) -> list[int]:
     return [head] + [doc] * 4 + [tail + rest]
 
 
-def prefill(model, prompts: list[list[int]]) -> tuple[HFModelRunner, torch.Tensor]:
-    """A runner holding these prompts, and the logits after each. Without prefix sharing: for a
-    lone prompt the runner would also keep the prompt's KV as a reusable prefix, a second copy
-    the planned KV budget does not count."""
-    runner = HFModelRunner(model, pad_id=0)
+def prefill(model, prompts: list[list[int]], kv_budget: int | None) -> tuple[HFModelRunner, torch.Tensor]:
+    """A runner holding these prompts, and the logits after each; its KV buffers bounded by the
+    planned budget, as the engine bounds them. Without prefix sharing: for a lone prompt the
+    runner would also keep the prompt's KV as a reusable prefix, a second copy the planned KV
+    budget does not count."""
+    runner = HFModelRunner(model, pad_id=0, max_slots=kv_budget)
     runner.reset(0)
     return runner, runner.step(runner.add_rows(prompts, share_prefix=False))
 
@@ -224,6 +226,7 @@ class Bench:
         self.index_bytes = 0  # the index's vectors on the device
         self.index_outside_torch = 0  # what FAISS allocates itself (torch's cap is lowered by as much)
         self.oom = False
+        self._kv_budget: int | None = None  # planned once the index is in place
 
     @property
     def vocab(self) -> int:
@@ -276,7 +279,7 @@ class Bench:
     def decode(self) -> None:
         for batch in (1, 8):
             prompts = [random_ids(self.gen, self.vocab, self.shapes.decode_context) for _ in range(batch)]
-            runner, logits = prefill(self.model, prompts)
+            runner, logits = prefill(self.model, prompts, self.kv_budget)
             state = {"logits": logits}
 
             def step():
@@ -292,7 +295,7 @@ class Bench:
         r = self.report
         ctx = random_ids(self.gen, self.vocab, context)
         new = random_ids(self.gen, self.vocab, 1 + self.shapes.evidence)  # the marker's last token, the evidence
-        runner, _ = prefill(self.model, [ctx])
+        runner, _ = prefill(self.model, [ctx], self.kv_budget)
         undo = lambda: runner.drop_last(len(new))  # noqa: E731  (every repeat splices into the same context)
         splice = self.clock.median_ms(lambda: runner.step([new]), self.shapes.repeats, reset=undo)
         r.add("evidence prefill", f"{len(new)} tokens, {context} ctx", len(new) * 1e3 / splice, "tokens/s",
@@ -344,11 +347,11 @@ class Bench:
         context, span = self.shapes.contexts[-1], self.shapes.evidence
         start = (context - span) // 2
         ids = random_ids(self.gen, self.vocab, context)
-        state = {"runner": prefill(self.model, [ids])[0]}
+        state = {"runner": prefill(self.model, [ids], self.kv_budget)[0]}
 
         def refill():  # each eviction starts from a fresh prefill of the same row
             state["runner"] = None  # free the old cache before the new one is built
-            state["runner"] = prefill(self.model, [ids])[0]
+            state["runner"] = prefill(self.model, [ids], self.kv_budget)[0]
 
         ms = self.clock.median_ms(lambda: state["runner"].evict(0, start, start + span), self.shapes.repeats,
                                   reset=refill)
@@ -387,7 +390,7 @@ class Bench:
     def memory(self) -> None:
         r, shapes = self.report, self.shapes
         per_token = kv_bytes_per_token_of(self.model)
-        plan = self._plan(shapes.cap_bytes - max(self.index_bytes, self.index_outside_torch))
+        plan = self.plan()
         r.add("memory", "KV per token", per_token, "bytes", "kv_bytes_per_token")
         r.add("memory", "planned KV budget (cap - index)", plan.max_kv_tokens, "tokens", "planned_max_kv_tokens")
         r.add("memory", "planned weights", plan.weights_bytes / GiB, "GiB", "planned_weights_gb")
@@ -409,6 +412,17 @@ class Bench:
         r.add("memory", "planned KV allocatable now", kv_fits,
               f"({plan.max_kv_tokens * per_token / GiB:.2f} GiB beside weights + index)", "planned_kv_fits")
         r.add("memory", "every section ran under the cap", not self.oom, "", "fits_under_cap")
+
+    def plan(self):
+        """The planner's figures for the cap minus the index (``rig plan``)."""
+        return self._plan(self.shapes.cap_bytes - max(self.index_bytes, self.index_outside_torch))
+
+    @property
+    def kv_budget(self) -> int:
+        """The planned KV budget in tokens: what the engine would bound the runner's buffers by."""
+        if self._kv_budget is None:
+            self._kv_budget = self.plan().max_kv_tokens
+        return self._kv_budget
 
     def _plan(self, gpu_bytes: int):
         quant = "none" if self.quant is None else self.quant.bnb_4bit_quant_type
