@@ -213,7 +213,7 @@ class BufferedLayer(DynamicLayer):
         cap_rows, spare = rows + spare_rows, max(self.MIN_SPARE, int(width * self.HEADROOM))
         if self.max_slots is not None:  # spare rows go first, then spare columns down to MIN_SPARE
             cap_rows = max(rows, min(cap_rows, self.max_slots // (width + spare)))
-            spare = max(self.MIN_SPARE, min(spare, self.max_slots // cap_rows - width))
+            spare = max(self.MIN_SPARE, min(spare, self.max_slots // max(1, cap_rows) - width))
         k, v = (like.new_empty(cap_rows, like.shape[1], width + spare, like.shape[3]) for _ in range(2))
         b, n = self.batch, self._nk
         if n:
