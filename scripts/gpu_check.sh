@@ -10,11 +10,14 @@
 #   BENCH_S, BUILD_S, TESTS_S   time limits in seconds of the three steps (default 480, 240, 240;
 #               the benchmark is sized for less); TORCH_CUDA_ARCH_LIST defaults to this GPU's
 set -uo pipefail
+DIR=$(realpath -m "${1:-$(dirname "$0")/../out/gpu}")  # before the cd: relative to the caller
 cd "$(dirname "$0")/.."
 
-DIR=${1:-out/gpu}
-PYTHON=${PYTHON:-.venv/bin/python}
-[ -x "$PYTHON" ] || PYTHON=python3
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=.venv/bin/python
+  [ -x "$PYTHON" ] || PYTHON=python3
+fi
+command -v "$PYTHON" >/dev/null || { echo "[gpu-check] no interpreter $PYTHON" >&2; exit 2; }
 mkdir -p "$DIR"
 : >"$DIR/summary.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -43,9 +46,8 @@ assert torch.cuda.is_available(), "CUDA is not available"
 import bitsandbytes
 print("bitsandbytes", bitsandbytes.__version__, "on", torch.cuda.get_device_name(0))'
 
-# The benchmark's table and JSON go to DIR/bench.txt (and the log), its progress to DIR/bench.progress.
-step bench "${BENCH_S:-480}" bash -c 'set -o pipefail; "$1" bench/gpu.py 2>"$2/bench.progress" | tee "$2/bench.txt"' \
-  _ "$PYTHON" "$DIR"
+# The benchmark's table and JSON go to DIR/bench.txt; its log has them after its progress.
+step bench "${BENCH_S:-480}" bash -c 'set -o pipefail; "$1" bench/gpu.py | tee "$2/bench.txt"' _ "$PYTHON" "$DIR"
 
 arch=$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null)
 if step native "${BUILD_S:-240}" env PYTHON="$PYTHON" JOBS="$(nproc)" \

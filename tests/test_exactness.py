@@ -209,6 +209,9 @@ def test_buffered_layer_spare_room():
     assert lone.capacity == 5 * 264 and lone.keys.shape[:3] == (4, 2, 200)
     lone.update(*kv(4, 100))  # outgrowing the columns keeps the spare row
     assert lone.capacity == 5 * 375
+    lone.select_rows([2])  # three leave; the next move keeps room for one join, not for them
+    lone.update(*kv(1, 100))
+    assert lone.capacity == 2 * (400 + 100) and lone.keys.shape[:3] == (1, 2, 400)
 
     bounded = BufferedLayer(max_slots=950)
     bounded.update(*kv(2, 400))

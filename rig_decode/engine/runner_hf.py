@@ -226,12 +226,11 @@ class BufferedLayer(DynamicLayer):
         heads, dtype and head size."""
         n, rows = self._nk, like.shape[0]
         if not self._has_room(rows, width):
-            spare = self._k.shape[0] - rows if self._owned else 0  # keep the spare rows joins made
+            # Keep spare rows that joins made, up to what a join would make now (rows that left
+            # are not kept room for).
+            spare = min(self._k.shape[0] - rows, max(1, int(rows * self.HEADROOM))) if self._owned else 0
             self._move_to_new_buffers(like, rows, width, spare_rows=max(0, spare))
-        if rows > self._bk:  # rows that joined while no column was cached: holes so far
-            self._k[self._bk : rows, :, :n] = 0
-            self._v[self._bv : rows, :, :n] = 0
-        self._bk = self._bv = rows
+        self._bk = self._bv = rows  # rows may have joined while no column was cached
         if zero and width > n:
             self._k[: self._bk, :, n:width] = 0
             self._v[: self._bv, :, n:width] = 0
