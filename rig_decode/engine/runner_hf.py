@@ -141,8 +141,8 @@ class BufferedLayer(DynamicLayer):
     lone long row must not pay for a second one it may never get (a 32B model's 8k-token row is
     2 GiB of KV). ``max_slots`` (token slots, rows x columns: the engine's KV budget) bounds the
     spare room: spare rows go first, then spare columns, but never below ``MIN_SPARE`` columns, so
-    a cache at its budget still moves once per ``MIN_SPARE`` steps rather than at every step (the
-    bound is exceeded by at most that many columns per row). The runner's re-layouts work in
+    a cache at its budget still moves once per ``MIN_SPARE`` steps rather than at every step (rows
+    that fit the bound exceed it by at most that many columns each). The runner's re-layouts work in
     place in a buffer the layer allocated: ``grow`` (rows joining, wider rows) zeroes spare rows and
     columns, ``select_rows`` (rows leaving) moves only the rows after a leaving one, and
     ``gather_columns`` (compaction) moves only the rows whose tokens are not already left-aligned;
