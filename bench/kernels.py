@@ -1,0 +1,146 @@
+"""The KV re-rotation kernel's backends side by side: torch reference, Triton, native (C++ / CUDA).
+
+What a hop spends in ``kernels.rope_shift_layers_`` for one row of a real architecture's cache
+(every layer, its KV heads and head size, its dtype):
+
+* evict - a ``--span``-token span dropped from the middle of a ``--context``-token row: every key
+          after it is rotated back by the span (``HFModelRunner.evict``, ``append_format: summary``);
+* stage - a ``--span``-token evidence block's keys rotated to their place after the context
+          (the zero-prefill splice, ``step(staged=)``).
+
+Every backend that can serve the device runs (Triton on CUDA only: on CPU it needs its interpreter)
+and its result is compared with the torch reference's (max |diff|, in the keys' dtype). Each figure
+is the median of ``--repeats`` calls after one warm-up, CUDA synchronised; GB/s counts each rotated
+key read once and written once.
+
+    python bench/kernels.py                        # the embedded default's KV shapes (fp32 on CPU)
+    python bench/kernels.py --model qwen2.5-32b    # Qwen2.5-32B's (bf16 on CUDA), 8k context
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rig_decode.engine.kv import resolve_architecture
+from rig_decode.kernels import has_triton, native, rope_shift_layers_
+
+ROPE_THETA = 10_000.0
+
+
+@contextmanager
+def forced(backend: str):
+    """``rope_shift_layers_`` with ``backend`` (``RIG_KERNELS``) inside the block."""
+    before = os.environ.get("RIG_KERNELS")
+    os.environ["RIG_KERNELS"] = backend
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["RIG_KERNELS"]
+        else:
+            os.environ["RIG_KERNELS"] = before
+
+
+def backends(device: torch.device) -> list[str]:
+    found = ["torch"]
+    if device.type == "cuda" and has_triton():
+        found.append("triton")
+    if native.supports(device):
+        found.append("native")
+    return found
+
+
+def median_ms(fn, repeats: int, cuda: bool) -> float:
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cases(context: int, span: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows, cols, shift) of each operation on a one-row cache ``context + span`` columns wide."""
+    start = (context - span) // 2
+    after = torch.arange(start + span, context, device=device)
+    block = torch.arange(context, context + span, device=device)
+    return {
+        "evict": (torch.zeros_like(after), after, torch.full(after.shape, -float(span), device=device)),
+        "stage": (torch.zeros_like(block), block, torch.full(block.shape, float(context), device=device)),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="an architecture `rig plan` knows")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--context", type=int, default=None, help="tokens in the row (default 8192 on CUDA, 2048 on CPU)")
+    ap.add_argument("--span", type=int, default=256, help="tokens evicted / staged")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    kind = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
+    context = args.context or (8192 if cuda else 2048)
+    if not 0 < args.span < context:
+        raise SystemExit(f"--span must be between 1 and the context ({context}), got {args.span}")
+    name, arch = resolve_architecture(args.model)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    heads, dim = arch.num_key_value_heads, arch.head_dim
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    gen = torch.Generator(device=device).manual_seed(0)
+    base = [torch.randn(1, heads, context + args.span, dim, device=device, dtype=dtype, generator=gen)
+            for _ in range(arch.num_hidden_layers)]
+    print(f"[bench/kernels] {name}: {arch.num_hidden_layers} layers x {heads} KV heads x {dim}, "
+          f"{str(dtype).removeprefix('torch.')} on {device}, {context} context, span {args.span}", file=sys.stderr)
+
+    rows_out, result = [], {"bench": "kernels", "model": name, "device": str(device) if not cuda else
+                            torch.cuda.get_device_name(device), "dtype": str(dtype).removeprefix("torch."),
+                            "layers": arch.num_hidden_layers, "context": context, "span": args.span, "ops": {}}
+    for op, (rows, cols, shift) in cases(context, args.span, device).items():
+        with forced("torch"):
+            want = rope_shift_layers_([k.clone() for k in base], rows, cols, shift, inv_freq)
+        moved = 2 * rows.numel() * heads * dim * base[0].element_size() * len(base)  # read + write
+        for backend in backends(device):
+            with forced(backend):
+                got = rope_shift_layers_([k.clone() for k in base], rows, cols, shift, inv_freq)
+                diff = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
+                del got
+                work = [k.clone() for k in base]  # rotated again at every call: rotations compose
+                ms = median_ms(lambda: rope_shift_layers_(work, rows, cols, shift, inv_freq), args.repeats, cuda)
+                del work
+            rows_out.append((op, backend, rows.numel(), ms, moved / ms / 1e6, diff))
+            result["ops"].setdefault(op, {"positions": rows.numel()})[backend] = {
+                "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 2), "max_abs_diff": diff}
+        del want
+
+    print(f"{'op':<6} {'backend':<8} {'positions':>9} {'ms':>9} {'GB/s':>8} {'max |diff| vs torch':>20}")
+    for op, backend, n, ms, gbs, diff in rows_out:
+        print(f"{op:<6} {backend:<8} {n:>9,} {ms:>9.3f} {gbs:>8.1f} {diff:>20.2e}")
+    for op, per in result["ops"].items():
+        fastest = min((b for b in per if b != "positions"), key=lambda b: per[b]["ms"])
+        per["fastest"] = fastest
+        per["speedup_vs_torch"] = round(per["torch"]["ms"] / per[fastest]["ms"], 2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
