@@ -206,6 +206,15 @@ class BufferedLayer(DynamicLayer):
         """Token slots (rows x columns) the buffers hold, spare room included: what memory is spent on."""
         return 0 if self._k is None or self._k.dim() != 4 else self._k.shape[0] * self._k.shape[2]
 
+    def _join_room(self, rows: int) -> int:
+        """Spare rows a buffer for ``rows`` rows gets once rows join."""
+        return max(1, int(rows * self.HEADROOM))
+
+    def _own(self) -> None:
+        """Move an installed tensor into buffers of the layer's own, so re-layouts may write into them."""
+        if not self._owned:
+            self._move_to_new_buffers(self._k, self.batch, self._nk)
+
     def _move_to_new_buffers(self, like: torch.Tensor, rows: int, width: int, spare_rows: int = 0) -> None:
         """Move to buffers of the layer's own with room for ``rows`` + ``spare_rows`` rows and spare
         columns beyond ``width`` (within ``max_slots``), keeping what the layer holds (``like``: a
@@ -228,7 +237,7 @@ class BufferedLayer(DynamicLayer):
         if not self._has_room(rows, width):
             # Keep spare rows that joins made, up to what a join would make now (rows that left
             # are not kept room for).
-            spare = min(self._k.shape[0] - rows, max(1, int(rows * self.HEADROOM))) if self._owned else 0
+            spare = min(self._k.shape[0] - rows, self._join_room(rows)) if self._owned else 0
             self._move_to_new_buffers(like, rows, width, spare_rows=max(0, spare))
         self._bk = self._bv = rows  # rows may have joined while no column was cached
         if zero and width > n:
@@ -241,7 +250,7 @@ class BufferedLayer(DynamicLayer):
         b, n = self.batch, self._nk
         width = n + columns
         if not self._has_room(b + rows, width):
-            self._move_to_new_buffers(self._k, b + rows, width, spare_rows=max(1, int((b + rows) * self.HEADROOM)))
+            self._move_to_new_buffers(self._k, b + rows, width, spare_rows=self._join_room(b + rows))
         for buf in (self._k, self._v):
             buf[:b, :, n:width] = 0
             buf[b : b + rows, :, :width] = 0
@@ -250,8 +259,7 @@ class BufferedLayer(DynamicLayer):
 
     def select_rows(self, keep: list[int]) -> None:
         """Keep only rows ``keep``, in that order, in place."""
-        if not self._owned:
-            self._move_to_new_buffers(self._k, self.batch, self._nk)
+        self._own()
         n = self._nk
         if keep == sorted(set(keep)):  # each kept row moves up or stays: none is overwritten before it is read
             for j, i in enumerate(keep):
@@ -267,8 +275,7 @@ class BufferedLayer(DynamicLayer):
     def gather_columns(self, order: torch.Tensor, rows: list[int]) -> None:
         """Column ``j`` of row ``r`` becomes its column ``order[r, j]`` (``order``: ``[batch, width]``);
         only ``rows`` move, the others' first ``width`` columns are already in that order."""
-        if not self._owned:
-            self._move_to_new_buffers(self._k, self.batch, self._nk)
+        self._own()
         width = order.shape[1]
         for r in rows:
             self._k[r, :, :width] = self._k[r, :, order[r]]

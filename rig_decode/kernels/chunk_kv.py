@@ -75,9 +75,9 @@ class ChunkKVStore:
         shifts: list[torch.Tensor] = []
         at = 0
         for n in segments:
-            take = min(n, count - at)
             if at >= count:
                 break
+            take = min(n, count - at)
             if take == 0:  # an empty piece
                 continue
             kv = self.get(token_ids[at : at + n])
