@@ -48,7 +48,6 @@ import gc
 import json
 import math
 import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +68,7 @@ from rig_decode.models.loader import ModelLoadError, nf4_config
 from rig_decode.retrieval.base import Hit
 
 from random_qwen import build_model, qwen2_config, weights_bytes  # bench/ is on sys.path when run as a script
+from timing import Clock
 
 SEED = 0
 EMBED_DIM = 384
@@ -110,34 +110,6 @@ SMALL = Shapes(
 
 def log(msg: str) -> None:
     print(f"[bench/gpu] {msg}", file=sys.stderr, flush=True)
-
-
-class Clock:
-    """Milliseconds of a callable, with CUDA synchronised on both sides so queued work counts."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def ms(self, fn) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
-
-    def median_ms(self, fn, repeats: int, reset=None) -> float:
-        """One warm-up call, then the median of ``repeats`` timed calls; ``reset`` runs untimed
-        after each call."""
-        times = []
-        for i in range(repeats + 1):
-            t = self.ms(fn)
-            if reset is not None:
-                reset()
-            if i:
-                times.append(t)
-        return statistics.median(times)
 
 
 class Report:
@@ -226,7 +198,7 @@ class Bench:
         self.index_bytes = 0  # the index's vectors on the device
         self.index_outside_torch = 0  # what FAISS allocates itself (torch's cap is lowered by as much)
         self.oom = False
-        self._kv_budget: int | None = None  # planned once the index is in place
+        self._planned = None  # the planner's figures, once the index is in place
 
     @property
     def vocab(self) -> int:
@@ -413,18 +385,19 @@ class Bench:
               f"({plan.max_kv_tokens * per_token / GiB:.2f} GiB beside weights + index)", "planned_kv_fits")
         r.add("memory", "every section ran under the cap", not self.oom, "", "fits_under_cap")
 
-    def plan(self):
-        """The planner's figures for the cap minus the index (``rig plan``)."""
-        return self._plan(self.shapes.cap_bytes - max(self.index_bytes, self.index_outside_torch))
-
     @property
     def kv_budget(self) -> int:
         """The planned KV budget in tokens: what the engine would bound the runner's buffers by."""
-        if self._kv_budget is None:
-            self._kv_budget = self.plan().max_kv_tokens
-        return self._kv_budget
+        return self.plan().max_kv_tokens
 
-    def _plan(self, gpu_bytes: int):
+    def plan(self):
+        """The planner's figures for the cap minus the index (``rig plan``), computed once (after
+        the index section)."""
+        if self._planned is None:
+            self._planned = self._plan_for(self.shapes.cap_bytes - max(self.index_bytes, self.index_outside_torch))
+        return self._planned
+
+    def _plan_for(self, gpu_bytes: int):
         quant = "none" if self.quant is None else self.quant.bnb_4bit_quant_type
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
         if self.shapes.plan_model:

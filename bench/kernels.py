@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from contextlib import contextmanager
 
 import torch
 
 from rig_decode.engine.kv import resolve_architecture
 from rig_decode.kernels import has_triton, native, rope_shift_layers_
+
+from timing import Clock  # bench/ is on sys.path when run as a script
 
 ROPE_THETA = 10_000.0
 
@@ -60,20 +60,6 @@ def backends(device: torch.device) -> list[str]:
     return found
 
 
-def median_ms(fn, repeats: int, cuda: bool) -> float:
-    times = []
-    for i in range(repeats + 1):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def cases(context: int, span: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(rows, cols, shift) of each operation on a one-row cache ``context + span`` columns wide."""
     start = (context - span) // 2
@@ -97,7 +83,7 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: CUDA is not available")
     kind = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    cuda = device.type == "cuda"
+    cuda, clock = device.type == "cuda", Clock(device)
     context = args.context or (8192 if cuda else 2048)
     if not 0 < args.span < context:
         raise SystemExit(f"--span must be between 1 and the context ({context}), got {args.span}")
@@ -124,7 +110,7 @@ def main(argv=None) -> int:
                 diff = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
                 del got
                 work = [k.clone() for k in base]  # rotated again at every call: rotations compose
-                ms = median_ms(lambda: rope_shift_layers_(work, rows, cols, shift, inv_freq), args.repeats, cuda)
+                ms = clock.median_ms(lambda: rope_shift_layers_(work, rows, cols, shift, inv_freq), args.repeats)
                 del work
             rows_out.append((op, backend, rows.numel(), ms, moved / ms / 1e6, diff))
             result["ops"].setdefault(op, {"positions": rows.numel()})[backend] = {

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
@@ -28,15 +26,7 @@ from rig_decode.engine.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_hf import HFModelRunner
 from rig_decode.models.loader import load_model
 
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from timing import Clock  # bench/ is on sys.path when run as a script
 
 
 def _rows(engine: RigEngine, batch: int, prompt: list[int]):
@@ -65,6 +55,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model, tok = load_model(ModelConfig(name=args.model, adapter=None))
+    clock = Clock(next(model.parameters()).device)
     engine = RigEngine(model, tok, None, EngineOptions(max_iterations=2, citations=True))
     vocab_size = model.config.vocab_size
     prompt = torch.randint(100, vocab_size, (args.context,)).tolist()
@@ -87,8 +78,8 @@ def main(argv=None) -> int:
             runner.step(ids)
             runner.drop_last(1)  # same context every repeat
 
-        p_ms = _median_ms(processors, args.repeats)
-        f_ms = _median_ms(forward, max(3, args.repeats // 4))
+        p_ms = clock.median_ms(processors, args.repeats)
+        f_ms = clock.median_ms(forward, max(3, args.repeats // 4))
         results.append({"batch": batch, "processors_ms": round(p_ms, 3), "forward_ms": round(f_ms, 2),
                         "share": round(p_ms / (p_ms + f_ms), 4)})
         print(f"batch {batch}: processors {p_ms:.2f} ms, forward {f_ms:.1f} ms", file=sys.stderr)
