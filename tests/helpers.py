@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +36,20 @@ def load_script(relative: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_bench(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``bench/<script>`` run as a user runs it, from the repository root."""
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def bench_output(proc: subprocess.CompletedProcess) -> tuple[list[str], dict]:
+    """A benchmark's table lines and the JSON of its last line, once it exited cleanly."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) > 1, proc.stdout
+    return lines[:-1], json.loads(lines[-1])
 
 
 CHAT_TEMPLATE = (

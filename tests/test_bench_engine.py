@@ -1,22 +1,13 @@
 """bench/engine.py at a tiny workload: every concurrency row and the sync comparison run the same
 tokens and hops, the table comes first, the JSON last, and the plot is written."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import bench_output, run_bench
 
 
 def test_engine_bench_runs_the_same_work_at_every_concurrency(real, tmp_path):
     png = tmp_path / "engine.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--requests", "4", "--concurrency", "1,4",
-                           "--max-new-tokens", "96", "--retrieval-latency-ms", "0", "--sync-at", "4", "--plot", str(png)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
+    lines, result = bench_output(run_bench("engine.py", "--requests", "4", "--concurrency", "1,4", "--max-new-tokens", "96",
+                                           "--retrieval-latency-ms", "0", "--sync-at", "4", "--plot", str(png)))
     assert lines[1].split()[:3] == ["concurrency", "retrieval", "tokens/s"]
     rows = result["rows"]
     assert [(r["concurrency"], r["sync_retrieval"]) for r in rows] == [(1, False), (4, False), (4, True)]

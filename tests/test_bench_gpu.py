@@ -1,18 +1,14 @@
 """bench/gpu.py at its small CPU shapes: every section runs, the table comes first, the JSON last."""
 
-import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import bench_output, run_bench
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_bench("gpu.py", "--device", "cpu", *args, timeout=300)
 
 
 def _positive(value) -> bool:
@@ -20,11 +16,9 @@ def _positive(value) -> bool:
 
 
 def _check(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
+    lines, result = bench_output(proc)
     assert lines[0].split() == ["section", "metric", "value", "unit"]
-    table = "\n".join(lines[:-1])
+    table = "\n".join(lines)
     for section in ("decode", "evidence prefill", "hop", "zero-prefill", "evict", "search", "rerank", "memory"):
         assert f"\n{section} " in table, section
 

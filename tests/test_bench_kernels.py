@@ -1,29 +1,22 @@
 """bench/kernels.py at a small context on CPU: every backend that serves the device runs both
 operations and agrees with the torch reference; the table comes first, the JSON last."""
 
-import json
 import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from rig_decode.kernels import native
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import bench_output, run_bench
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--device", "cpu", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_bench("kernels.py", "--device", "cpu", *args, timeout=300)
 
 
 def test_backends_agree_with_the_reference():
-    proc = _run("--context", "128", "--span", "16", "--repeats", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    lines, result = bench_output(_run("--context", "128", "--span", "16", "--repeats", "2"))
     assert lines[0].split()[:3] == ["op", "backend", "positions"]
-    result = json.loads(lines[-1])
     assert (result["layers"], result["context"], result["span"], result["dtype"]) == (30, 128, 16, "float32")
     expected = {"torch", "native"} if native.supports(torch.device("cpu")) else {"torch"}
     positions = {"evict": 128 - (128 - 16) // 2 - 16, "stage": 16}

@@ -2,21 +2,11 @@
 runner directly (cropping, re-prefilling, packed steps), so a runner change that breaks them fails
 here rather than in the next benchmark run. Each prints a table, then one JSON line."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import bench_output, run_bench
 
 
 def _bench(script: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) > 1, proc.stdout
-    return json.loads(lines[-1])
+    return bench_output(run_bench(script, *args))[1]
 
 
 def test_splice_bench(real):
