@@ -153,6 +153,51 @@ def test_bad_arguments_raise_and_leave_keys_untouched():
     assert torch.equal(keys, before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("indices_on", ["host", "device"])
+def test_layers_op_matches_the_reference_on_every_layer(device, dtype, indices_on):
+    # Layers of one shape but different strides; on CUDA, host indices take the no-sync path.
+    device = _device(device)
+    gen = torch.Generator().manual_seed(4)
+    bufs, views = [], []
+    for layout in ("contiguous", "column_slice", "heads_columns_transposed", "strided_head_dim"):
+        buf, view, rows, cols, shift, inv_freq = _case(layout, 3, 4, 13, 64, 23, dtype, gen, device, True)
+        bufs.append(buf)
+        views.append(view)
+    rows, cols, shift = _case("contiguous", 3, 4, 13, 64, 23, dtype, gen, "cpu", True)[2:5]
+    if indices_on == "device":
+        rows, cols, shift = rows.to(device), cols.to(device), shift.to(device)
+    expected = [buf.clone() for buf in bufs]
+    for buf, view in zip(expected, views):
+        rope_shift_ref_(view(buf), rows.to(device), cols.to(device), shift.to(device), inv_freq)
+    layers = [view(buf) for buf, view in zip(bufs, views)]
+    assert native.rope_shift_layers_(layers, rows, cols, shift, inv_freq) is layers
+    atol, rtol = TOLERANCE[dtype]
+    for got, want in zip(bufs, expected):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    native.rope_shift_layers_([], rows, cols, shift, inv_freq)  # no layers: nothing to do
+    native.rope_shift_layers_(layers, rows[:0], cols[:0], shift[:0], inv_freq)  # no positions: nothing moves
+    for got, want in zip(bufs, expected):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def test_layers_op_checks_every_layer_before_writing_any():
+    layers = [torch.randn(2, 3, 5, 8) for _ in range(3)]
+    before = [k.clone() for k in layers]
+    rows, cols, shift, inv_freq = torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([3.0, -3.0]), _inv_freq(8)
+    for odd, what in ((torch.randn(2, 3, 6, 8), "one shape"), (torch.randn(2, 3, 5, 8).double(), "one shape"),
+                      (torch.randn(1, 1, 1, 8).expand(2, 3, 5, 8), "single memory location")):
+        with pytest.raises((ValueError, RuntimeError), match=what):
+            native.rope_shift_layers_([*layers[:2], odd], rows, cols, shift, inv_freq)
+    with pytest.raises(IndexError, match=r"\(1, 5\) at position 1 is outside"):
+        native.rope_shift_layers_(layers, rows, torch.tensor([4, 5]), shift, inv_freq)
+    with pytest.raises(ValueError, match="inv_freq has 3 entries"):
+        native.rope_shift_layers_(layers, rows, cols, shift, inv_freq[:3])
+    for got, want in zip(layers, before):
+        assert torch.equal(got, want)
+
+
 def test_dispatcher_uses_native_on_cpu(monkeypatch):
     monkeypatch.delenv("RIG_KERNELS", raising=False)
     assert native.supports(torch.device("cpu"))

@@ -540,12 +540,13 @@ class HFModelRunner:
             rows_idx.append(torch.full((n,), i, dtype=torch.long))
             cols_idx.append(torch.arange(end, end + n))
             shift.append(local.float().cpu() + self.lengths[i])
-        rows_idx, cols_idx = torch.cat(rows_idx).to(self.device), torch.cat(cols_idx).to(self.device)
-        shift = torch.cat(shift).to(self.device)
+        # The re-rotation takes the host copies (checked there, no device sync); the writes the device's.
+        rows_idx, cols_idx, shift = torch.cat(rows_idx), torch.cat(cols_idx), torch.cat(shift)
+        rows_dev, cols_dev = rows_idx.to(self.device), cols_idx.to(self.device)
         width = max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
         for li, layer in enumerate(self.cache.layers):
             keys, values = ([kv[li][part][0].transpose(0, 1) for kv, _ in staged.values()] for part in (0, 1))
-            layer.write(rows_idx, cols_idx, torch.cat(keys).to(self.device), torch.cat(values).to(self.device), width)
+            layer.write(rows_dev, cols_dev, torch.cat(keys).to(self.device), torch.cat(values).to(self.device), width)
         self._mark_written(widths, width)
         rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
                            self._rope_inv_freq())
@@ -652,11 +653,11 @@ class HFModelRunner:
         n = self.lengths[row]
         if not 0 <= start < end <= n:
             raise ValueError(f"cannot evict tokens {start}:{end} of a row holding {n}")
-        cols = self.attn[row].nonzero().squeeze(1)  # the row's real columns, in order
+        cols = self.attn[row].nonzero().squeeze(1).cpu()  # the row's real columns, in order, on the host
         after = cols[end:]
         if after.numel():
             rows = torch.full_like(after, row)
-            shift = torch.full(after.shape, float(start - end), device=self.device)
+            shift = torch.full(after.shape, float(start - end))
             rope_shift_layers_([layer.keys for layer in self.cache.layers], rows, after, shift,
                                self._rope_inv_freq())
         self.attn[row, cols[start:end]] = 0

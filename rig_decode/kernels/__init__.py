@@ -1,6 +1,7 @@
 """Kernels for KV surgery at hop time, each with a plain-torch reference that is the CPU path.
 
-``rope_shift_`` (re-rotate cached keys to new positions) dispatches to, in order of preference:
+``rope_shift_`` (re-rotate cached keys to new positions) and ``rope_shift_layers_`` (the same in
+every layer of a cache, prepared once) dispatch to, in order of preference:
 
 * ``native``: the optional C++/CUDA extension ``rig_decode._C`` built by the top-level
   ``CMakeLists.txt`` (``kernels/native.py`` loads it when present);
@@ -19,7 +20,7 @@ import os
 import torch
 
 from . import native
-from .rope import _check, rope_shift_ref_, rotary_inv_freq
+from .rope import _check, _rotate_, rope_shift_ref_, rotary_inv_freq
 
 __all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rotary_inv_freq", "backend_for", "has_triton"]
 
@@ -65,25 +66,40 @@ def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shif
 
 def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
                        inv_freq: torch.Tensor) -> list[torch.Tensor]:
-    """``rope_shift_`` on every layer's keys (one shape) with the same entries: the arguments are
-    checked here once, not once per layer (the index bounds cost a device sync on CUDA). The native
-    op, callable on its own, checks its indices again at each call: one small sync per layer on
-    CUDA (tens of microseconds for a 64-layer model, beside a hop's forward of tens of ms)."""
+    """``rope_shift_`` on every layer's keys (one shape, dtype and device) with the same entries,
+    checked and prepared once for all layers.
+
+    For CUDA keys, give the indices as CPU tensors where they are built on the host (the runner
+    does): their bounds are then checked there, and they reach the device in one copy that does
+    not wait for the GPU, so a hop's re-rotation costs no device sync. Indices already on the
+    device cost a sync or two for the bounds check, once."""
     if not layers:
         return layers
-    _check(layers[0], rows, cols, shift, inv_freq)
+    first = layers[0]
+    _check(first, rows, cols, shift, inv_freq)
     for keys in layers[1:]:
-        if keys.shape != layers[0].shape:
-            raise ValueError(f"every layer's keys must have one shape, got {tuple(layers[0].shape)} and "
-                             f"{tuple(keys.shape)}")
+        if (keys.shape, keys.dtype, keys.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(f"every layer's keys must have one shape, dtype and device, got {tuple(first.shape)} "
+                             f"{first.dtype} on {first.device} and {tuple(keys.shape)} {keys.dtype} on {keys.device}")
     rows, cols = rows.long(), cols.long()
-    backend = backend_for(layers[0].device)
+    backend = backend_for(first.device)
     if backend == "native":
-        kernel = native.rope_shift_
-    elif backend == "triton":
+        return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
+    rows, cols, shift, inv_freq = (_on_device(t, first.device) for t in (rows, cols, shift, inv_freq))
+    if backend == "triton":
         from .triton_rope import rope_shift_triton_ as kernel
     else:
-        kernel = rope_shift_ref_
+        kernel = _rotate_
     for keys in layers:
         kernel(keys, rows, cols, shift, inv_freq)
     return layers
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; from the host to CUDA through pinned memory, so the copy is queued on the
+    stream instead of waiting for the work before it."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)

@@ -28,11 +28,16 @@ def rope_shift_ref_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, 
     ``[head_dim // 2]``. Returns ``keys``.
     """
     _check(keys, rows, cols, shift, inv_freq)
+    return _rotate_(keys, rows, cols, shift, inv_freq)
+
+
+def _rotate_(keys, rows, cols, shift, inv_freq) -> torch.Tensor:
+    """``rope_shift_ref_`` without the checks (made once by the caller)."""
     if rows.numel() == 0:
         return keys
     half = keys.shape[-1] // 2
-    angle = shift.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [N, half]
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # broadcast over heads
+    angle = shift.to(keys.device, torch.float32)[:, None] * inv_freq.to(keys.device, torch.float32)[None, :]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # [N, 1, half]: broadcast over heads
     k = keys[rows, :, cols, :].to(torch.float32)  # [N, H, D] (advanced indexing copies)
     k1, k2 = k[..., :half], k[..., half:]
     out = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
@@ -51,8 +56,9 @@ def _check(keys, rows, cols, shift, inv_freq) -> None:
     if not (rows.shape == cols.shape == shift.shape) or rows.dim() != 1:
         raise ValueError(f"rows, cols and shift must be 1-D of one length, got {tuple(rows.shape)}, "
                          f"{tuple(cols.shape)}, {tuple(shift.shape)}")
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= keys.shape[0]
-                         or int(cols.min()) < 0 or int(cols.max()) >= keys.shape[2]):
+    # On CUDA indices each test is a device sync; indices on the host cost none.
+    if rows.numel() and (bool(((rows < 0) | (rows >= keys.shape[0])).any())
+                         or bool(((cols < 0) | (cols >= keys.shape[2])).any())):
         raise IndexError(f"a (row, column) index is outside keys of shape {tuple(keys.shape)}")
 
 

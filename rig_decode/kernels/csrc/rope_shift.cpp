@@ -1,27 +1,22 @@
-// rig_decode::rope_shift_: rotate cached RoPE keys to new positions in place.
-// The op schema, the argument checks shared with the CUDA kernel, and the CPU kernel.
+// rig_decode::rope_shift_ and rig_decode::rope_shift_layers_: rotate cached RoPE keys to new
+// positions in place, in one tensor or in every layer of a cache at once.
+// The op schemas, the argument checks shared with the CUDA kernel, and the CPU kernel.
 // Semantics are those of rope_shift_ref_ in rig_decode/kernels/rope.py.
 
-#include <ATen/ATen.h>
+#include "rope_shift.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace rig_decode {
 
-// Everything that can be checked without reading the indices (that is device-specific).
-void check_rope_shift_args(const at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols,
+void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
                            const at::Tensor& shift, const at::Tensor& inv_freq) {
-  TORCH_CHECK_VALUE(keys.dim() == 4, "rope_shift_: keys must be [batch, heads, columns, head_dim], got shape ",
-                    keys.sizes());
-  const auto dtype = keys.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "rope_shift_: keys must be float32, float64, bfloat16 or float16, got ", dtype);
-  const int64_t head_dim = keys.size(3);
-  TORCH_CHECK_VALUE(head_dim % 2 == 0, "rope_shift_: head_dim must be even for RoPE, got ", head_dim);
-  TORCH_CHECK_VALUE(inv_freq.numel() == head_dim / 2, "rope_shift_: inv_freq has ", inv_freq.numel(),
-                    " entries; head_dim ", head_dim, " needs ", head_dim / 2);
   TORCH_CHECK_VALUE(rows.dim() == 1 && rows.sizes().equals(cols.sizes()) && rows.sizes().equals(shift.sizes()),
                     "rope_shift_: rows, cols and shift must be 1-D of one length, got ", rows.sizes(), ", ",
                     cols.sizes(), ", ", shift.sizes());
@@ -31,8 +26,45 @@ void check_rope_shift_args(const at::Tensor& keys, const at::Tensor& rows, const
                    "rope_shift_: shift must be a real number type, got ", shift.scalar_type());
   TORCH_CHECK_TYPE(at::isFloatingType(inv_freq.scalar_type()), "rope_shift_: inv_freq must be floating point, got ",
                    inv_freq.scalar_type());
-  // Two elements sharing memory (an expanded view) would be rotated twice.
-  at::assert_no_internal_overlap(keys);
+  if (layers.empty()) {
+    return;
+  }
+  const at::Tensor& keys = layers[0];
+  TORCH_CHECK_VALUE(keys.dim() == 4, "rope_shift_: keys must be [batch, heads, columns, head_dim], got shape ",
+                    keys.sizes());
+  const auto dtype = keys.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "rope_shift_: keys must be float32, float64, bfloat16 or float16, got ", dtype);
+  const int64_t head_dim = keys.size(3);
+  TORCH_CHECK_VALUE(head_dim % 2 == 0, "rope_shift_: head_dim must be even for RoPE, got ", head_dim);
+  TORCH_CHECK_VALUE(inv_freq.numel() == head_dim / 2, "rope_shift_: inv_freq has ", inv_freq.numel(),
+                    " entries; head_dim ", head_dim, " needs ", head_dim / 2);
+  for (const at::Tensor& layer : layers) {
+    TORCH_CHECK_VALUE(layer.sizes().equals(keys.sizes()) && layer.scalar_type() == dtype &&
+                          layer.device() == keys.device(),
+                      "rope_shift_layers_: every layer's keys must have one shape, dtype and device, got ",
+                      keys.sizes(), " ", dtype, " on ", keys.device(), " and ", layer.sizes(), " ",
+                      layer.scalar_type(), " on ", layer.device());
+    // Two elements sharing memory (an expanded view) would be rotated twice.
+    at::assert_no_internal_overlap(layer);
+  }
+}
+
+void check_rope_shift_indices_on_host(const at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols) {
+  const at::Tensor rows_c = rows.contiguous(), cols_c = cols.contiguous();
+  const int64_t* row = rows_c.data_ptr<int64_t>();
+  const int64_t* col = cols_c.data_ptr<int64_t>();
+  const int64_t batch = keys.size(0), columns = keys.size(2);
+  for (int64_t n = 0; n < rows_c.numel(); ++n) {
+    TORCH_CHECK_INDEX(row[n] >= 0 && row[n] < batch && col[n] >= 0 && col[n] < columns,
+                      "rope_shift_: (row, column) index (", row[n], ", ", col[n], ") at position ", n,
+                      " is outside keys of shape ", keys.sizes());
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> rope_shift_cos_sin(const at::Tensor& shift, const at::Tensor& inv_freq) {
+  const at::Tensor angle = shift.to(at::kFloat).unsqueeze(1) * inv_freq.to(at::kFloat).reshape({1, -1});
+  return {angle.cos().contiguous(), angle.sin().contiguous()};
 }
 
 namespace {
@@ -48,47 +80,56 @@ inline void rotate_pairs(scalar_t* x1, int64_t stride, const float* cos_a, const
   }
 }
 
-at::Tensor& rope_shift_cpu(at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols,
+void rope_shift_layers_cpu(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
                            const at::Tensor& shift, const at::Tensor& inv_freq) {
-  check_rope_shift_args(keys, rows, cols, shift, inv_freq);
-  const int64_t n_pos = rows.numel();
-  const int64_t batch = keys.size(0), heads = keys.size(1), columns = keys.size(2), half = keys.size(3) / 2;
+  check_rope_shift_args(layers, rows, cols, shift, inv_freq);
+  if (layers.empty()) {
+    return;
+  }
+  // All indices are checked before the first write, so a bad call leaves every layer untouched.
+  check_rope_shift_indices_on_host(layers[0], rows, cols);
+  const int64_t n_pos = rows.numel(), heads = layers[0].size(1), half = layers[0].size(3) / 2;
+  if (n_pos == 0 || heads == 0 || half == 0) {
+    return;
+  }
   const at::Tensor rows_c = rows.contiguous(), cols_c = cols.contiguous();
   const int64_t* row = rows_c.data_ptr<int64_t>();
   const int64_t* col = cols_c.data_ptr<int64_t>();
-  // All indices are checked before the first write, so a bad call leaves keys untouched.
-  for (int64_t n = 0; n < n_pos; ++n) {
-    TORCH_CHECK_INDEX(row[n] >= 0 && row[n] < batch && col[n] >= 0 && col[n] < columns,
-                      "rope_shift_: (row, column) index (", row[n], ", ", col[n], ") at position ", n,
-                      " is outside keys of shape ", keys.sizes());
-  }
-  if (n_pos == 0 || heads == 0 || half == 0) {
-    return keys;
-  }
-
-  // The same torch ops as the reference, so the angles' cos and sin match it bit for bit.
-  const at::Tensor angle = shift.to(at::kFloat).unsqueeze(1) * inv_freq.to(at::kFloat).reshape({1, half});
-  const at::Tensor cos_t = angle.cos().contiguous(), sin_t = angle.sin().contiguous();
+  const auto [cos_t, sin_t] = rope_shift_cos_sin(shift, inv_freq);  // once for every layer
   const float* cos_p = cos_t.data_ptr<float>();
   const float* sin_p = sin_t.data_ptr<float>();
 
-  const int64_t s0 = keys.stride(0), s1 = keys.stride(1), s2 = keys.stride(2), s3 = keys.stride(3);
+  // One parallel loop over (layer, position, head): layers may differ in strides, not in shape.
+  const int64_t per_layer = n_pos * heads;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / (2 * half));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "rope_shift_cpu", [&] {
-    scalar_t* base = keys.data_ptr<scalar_t>();
-    at::parallel_for(0, n_pos * heads, grain, [&](int64_t begin, int64_t end) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, layers[0].scalar_type(), "rope_shift_cpu", [&] {
+    struct Layer {
+      scalar_t* base;
+      int64_t s0, s1, s2, s3;
+    };
+    std::vector<Layer> view;
+    for (const at::Tensor& keys : layers) {
+      view.push_back({keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)});
+    }
+    at::parallel_for(0, per_layer * static_cast<int64_t>(view.size()), grain, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t n = task / heads, h = task % heads;
-        scalar_t* x1 = base + row[n] * s0 + h * s1 + col[n] * s2;
+        const Layer& k = view[task / per_layer];
+        const int64_t n = task % per_layer / heads, h = task % heads;
+        scalar_t* x1 = k.base + row[n] * k.s0 + h * k.s1 + col[n] * k.s2;
         // A literal unit stride lets the compiler vectorise the common dense layout.
-        if (s3 == 1) {
+        if (k.s3 == 1) {
           rotate_pairs(x1, 1, cos_p + n * half, sin_p + n * half, half);
         } else {
-          rotate_pairs(x1, s3, cos_p + n * half, sin_p + n * half, half);
+          rotate_pairs(x1, k.s3, cos_p + n * half, sin_p + n * half, half);
         }
       }
     });
   });
+}
+
+at::Tensor& rope_shift_cpu(at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& shift,
+                           const at::Tensor& inv_freq) {
+  rope_shift_layers_cpu({keys}, rows, cols, shift, inv_freq);
   return keys;
 }
 
@@ -96,10 +137,12 @@ at::Tensor& rope_shift_cpu(at::Tensor& keys, const at::Tensor& rows, const at::T
 
 TORCH_LIBRARY(rig_decode, m) {
   m.def("rope_shift_(Tensor(a!) keys, Tensor rows, Tensor cols, Tensor shift, Tensor inv_freq) -> Tensor(a!)");
+  m.def("rope_shift_layers_(Tensor(a!)[] layers, Tensor rows, Tensor cols, Tensor shift, Tensor inv_freq) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rig_decode, CPU, m) {
   m.impl("rope_shift_", &rope_shift_cpu);
+  m.impl("rope_shift_layers_", &rope_shift_layers_cpu);
 }
 
 }  // namespace rig_decode
