@@ -1,8 +1,12 @@
 """The CUDA kernels compile for the GPUs they target, on a machine without nvcc or a GPU.
 
-``scripts/check_cuda.sh`` compiles ``rig_decode/kernels/csrc/*.cu`` with clang and NVIDIA's ptxas
-(headers and ptxas from PyPI wheels). Skipped only where that toolchain is missing: no clang 17 or
-newer, or PyPI out of reach (``scripts/test.sh`` installs Debian's clang-19 where it can).
+* native: ``scripts/check_cuda.sh`` compiles ``rig_decode/kernels/csrc/*.cu`` with clang and
+  NVIDIA's ptxas (headers and ptxas from PyPI wheels). Skipped only where that toolchain is missing:
+  no clang 17 or newer, or PyPI out of reach (``scripts/test.sh`` installs Debian's clang-19 where
+  it can).
+* Triton: the kernel the CPU tests run in Triton's interpreter is compiled ahead of time for
+  sm_80 / sm_90 by Triton's own compiler (Triton ships its ptxas): the interpreter accepts programs
+  the compiler would reject.
 """
 
 from __future__ import annotations
@@ -36,3 +40,25 @@ def test_the_cuda_kernels_compile_for_ampere_and_hopper():
         # Both operators get a CUDA kernel: their names are registered with the dispatcher.
         for op in (b"rope_shift_", b"rope_shift_layers_"):
             assert op + b"\0" in host, op
+
+
+@pytest.mark.parametrize("arch,dtype,half", [(80, "bf16", 64), (90, "bf16", 64), (80, "fp16", 32), (90, "fp32", 3)])
+def test_the_triton_kernel_compiles_for_ampere_and_hopper(arch, dtype, half):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from rig_decode.kernels.triton_rope import _rope_shift_kernel
+
+    # Under TRITON_INTERPRET=1 (set by the CPU tests) the decorator made an interpreted function:
+    # compile the same Python function.
+    kernel = JITFunction(_rope_shift_kernel.fn)
+    signature = {"k_ptr": f"*{dtype}", "rows_ptr": "*i64", "cols_ptr": "*i64", "shift_ptr": "*fp32",
+                 "freq_ptr": "*fp32", "stride_b": "i64", "stride_h": "i64", "stride_c": "i64", "stride_d": "i64",
+                 "HALF": "constexpr", "BLOCK": "constexpr"}
+    source = ASTSource(kernel, signature, constexprs={"HALF": half, "BLOCK": triton.next_power_of_2(half)})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    assert f".target sm_{arch}" in compiled.asm["ptx"]
+    cubin = compiled.asm["cubin"]
+    assert cubin[:4] == b"\x7fELF" and int.from_bytes(cubin[18:20], "little") == EM_CUDA
