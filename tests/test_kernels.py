@@ -117,6 +117,8 @@ def test_layers_are_shifted_alike_and_must_share_a_shape():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="one shape"):
         kernels.rope_shift_layers_([keys, keys[:, :, :4]], rows, cs, shift, inv)
+    with pytest.raises(ValueError, match="share memory"):
+        kernels.rope_shift_layers_([keys, layers[0], keys], rows, cs, shift, inv)
 
 
 # -- eviction in the runner ---------------------------------------------------------------------------

@@ -190,6 +190,12 @@ def test_layers_op_checks_every_layer_before_writing_any():
                       (torch.randn(1, 1, 1, 8).expand(2, 3, 5, 8), "single memory location")):
         with pytest.raises((ValueError, RuntimeError), match=what):
             native.rope_shift_layers_([*layers[:2], odd], rows, cols, shift, inv_freq)
+    buf = torch.randn(2, 2, 3, 5, 8)
+    overlapping = buf.view(-1)[8:8 + buf[0].numel()].view(2, 3, 5, 8)  # buf[0] moved on by one key
+    for shared in ([layers[0], layers[1], layers[0]], [buf[0], overlapping]):
+        with pytest.raises(ValueError, match="share memory"):
+            native.rope_shift_layers_(shared, rows, cols, shift, inv_freq)
+    native.rope_shift_layers_([buf[1], buf[0]], rows, cols, shift, inv_freq)  # adjacent, not shared: fine
     with pytest.raises(IndexError, match=r"\(1, 5\) at position 1 is outside"):
         native.rope_shift_layers_(layers, rows, torch.tensor([4, 5]), shift, inv_freq)
     with pytest.raises(ValueError, match="inv_freq has 3 entries"):

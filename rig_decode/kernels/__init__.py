@@ -71,20 +71,22 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
 
     For CUDA keys, give the indices as CPU tensors where they are built on the host (the runner
     does): their bounds are then checked there, and they reach the device in one copy that does
-    not wait for the GPU, so a hop's re-rotation costs no device sync. Indices already on the
-    device cost a sync or two for the bounds check, once."""
+    not wait for the GPU, so the re-rotation costs no device sync. Indices already on the device
+    cost one sync (native op) or two (Triton, torch) for the bounds check, once for all layers."""
     if not layers:
         return layers
+    rows, cols = rows.long(), cols.long()
     first = layers[0]
+    backend = backend_for(first.device)
+    if backend == "native":  # checks everything itself, before it writes anything
+        return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
     _check(first, rows, cols, shift, inv_freq)
     for keys in layers[1:]:
         if (keys.shape, keys.dtype, keys.device) != (first.shape, first.dtype, first.device):
             raise ValueError(f"every layer's keys must have one shape, dtype and device, got {tuple(first.shape)} "
                              f"{first.dtype} on {first.device} and {tuple(keys.shape)} {keys.dtype} on {keys.device}")
-    rows, cols = rows.long(), cols.long()
-    backend = backend_for(first.device)
-    if backend == "native":
-        return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
+    if len({keys.data_ptr() for keys in layers}) < len(layers):
+        raise ValueError("two layers share memory (the same keys listed twice?): they would be rotated twice")
     rows, cols, shift, inv_freq = (_on_device(t, first.device) for t in (rows, cols, shift, inv_freq))
     if backend == "triton":
         from .triton_rope import rope_shift_triton_ as kernel
@@ -101,5 +103,5 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device:
         return t
     if t.device.type == "cpu" and device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)  # towards the host a non-blocking copy could be read before it lands

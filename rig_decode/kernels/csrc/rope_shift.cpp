@@ -11,6 +11,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace rig_decode {
@@ -47,6 +49,31 @@ void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const 
                       layer.scalar_type(), " on ", layer.device());
     // Two elements sharing memory (an expanded view) would be rotated twice.
     at::assert_no_internal_overlap(layer);
+  }
+  // So would two layers sharing memory (one tensor listed twice): their memory spans must be disjoint.
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // first and last byte of each layer
+  for (const at::Tensor& layer : layers) {
+    if (layer.numel() == 0) {
+      continue;
+    }
+    int64_t low = 0, high = 0;  // element offsets of the lowest and highest element
+    for (int64_t d = 0; d < layer.dim(); ++d) {
+      const int64_t reach = (layer.size(d) - 1) * layer.stride(d);
+      if (reach < 0) {
+        low += reach;
+      } else {
+        high += reach;
+      }
+    }
+    const auto base = reinterpret_cast<uintptr_t>(layer.data_ptr());
+    const int64_t item = layer.element_size();
+    spans.emplace_back(base + low * item, base + (high + 1) * item - 1);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    TORCH_CHECK_VALUE(spans[i].first > spans[i - 1].second,
+                      "rope_shift_layers_: two layers share memory (the same keys listed twice?): they would be "
+                      "rotated twice");
   }
 }
 
