@@ -333,7 +333,6 @@ class HFModelRunner:
         self.attn: torch.Tensor | None = None  # [B, columns], 1 = real token
         self.lengths: list[int] = []  # real tokens each row has in the cache
         self.ends: list[int] = []  # each row's next free column: after its last real token (or an evicted tail)
-        self.has_holes = False
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._capture: dict[int, list[int]] = {}  # row -> its prompt, whose KV becomes the cached prefix once fed
         self._inv_freq: torch.Tensor | None = None
@@ -349,6 +348,12 @@ class HFModelRunner:
     @property
     def num_columns(self) -> int:
         return 0 if self.attn is None else self.attn.shape[1]
+
+    @property
+    def has_holes(self) -> bool:
+        """Whether some row does not attend to every column (padding, an evicted span, a parked
+        row's columns): read from the rows' real-token counts on the host, not from the device."""
+        return any(n != self.num_columns for n in self.lengths)
 
     @property
     def num_slots(self) -> int:
@@ -370,7 +375,6 @@ class HFModelRunner:
         self.attn = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = [0] * batch_size
         self.ends = [0] * batch_size
-        self.has_holes = False
         self._capture = {}
 
     # -- adding rows --------------------------------------------------------------------------------
@@ -390,7 +394,6 @@ class HFModelRunner:
             self.reset(0)
         if not share_prefix:
             self._grow(len(prompts), columns=0)
-            self.has_holes = self.has_holes or not bool(self.attn.all())
             return [list(p) for p in prompts]
         # Several prompts: the part they all share becomes the cached prefix, computed once (only what
         # the cache does not hold yet). A lone prompt is prefilled in the step, with the other rows;
@@ -416,7 +419,6 @@ class HFModelRunner:
                 if n:
                     self.attn[first + j, :n] = 1
                     self.lengths[first + j] = self.ends[first + j] = n
-        self.has_holes = self.has_holes or not bool(self.attn.all())
         return [p[n:] for p, n in zip(prompts, seeds)]
 
     def _cached(self, ids: list[int]) -> int:
@@ -560,7 +562,6 @@ class HFModelRunner:
             self.attn[i, self.ends[i] : self.ends[i] + n] = 1
             self.lengths[i] += n
             self.ends[i] += n
-        self.has_holes = not bool(self.attn.all())
 
     def _forward_columns(self, rows: list[list[int]]) -> torch.Tensor:
         """Every row's tokens as new right-hand columns, left-padded: a batch's first prompts, or
@@ -576,7 +577,6 @@ class HFModelRunner:
                 new_mask[i, width - n :] = 1
                 pos[i, width - n :] = torch.arange(start, start + n)
             pos[i, : width - n] = start  # holes: any in-range position, they are masked out
-        self.has_holes = self.has_holes or not bool(new_mask.all())
         self.attn = torch.cat([self.attn, new_mask.to(self.device)], dim=1)
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
         self.ends = [self.num_columns if r else e for e, r in zip(self.ends, rows)]
@@ -662,7 +662,6 @@ class HFModelRunner:
                                self._rope_inv_freq())
         self.attn[row, cols[start:end]] = 0
         self.lengths[row] = n - (end - start)
-        self.has_holes = True
 
     def drop_last(self, n: int) -> None:
         """Forget every row's last ``n`` tokens, which must be its last ``n`` columns (a lone row,
@@ -679,7 +678,6 @@ class HFModelRunner:
         for layer in self.cache.layers:
             layer.truncate(width)
         self.attn = self.attn[:, :width]
-        self.has_holes = not bool(self.attn.all())
 
     def select(self, keep: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch and free their cache)."""
@@ -717,7 +715,6 @@ class HFModelRunner:
             layer.gather_columns(order, moved)
         self.attn = new_mask
         self.ends = list(self.lengths)
-        self.has_holes = not bool(new_mask.all())
 
 
 def _common_prefix(rows: list[list[int]]) -> list[int]:
