@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile the CUDA kernels (rig_decode/kernels/csrc/*.cu) on a machine without a CUDA toolkit or a
-# GPU, so that a compile error shows here and not first on a GPU machine. NVIDIA's nvcc 13.0 (what
-# the GPU machines have) compiles each source for sm_80 and sm_90 with the flags torch's own CUDA
+# GPU, so that a compile error shows here and not first on a GPU machine. NVIDIA's nvcc 13.0 (the
+# CUDA of current torch CUDA builds) compiles each source for sm_80 and sm_90 with the flags torch's own CUDA
 # extensions use, against the torch headers of .venv, warnings as errors (nvcc's and g++'s). The
 # object and each architecture's cubin go to build/cuda-check. Nothing is linked or run.
 #
@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-.venv/bin/python}
 CUDA_VERSION=13.0
+CU=cu${CUDA_VERSION%%.*}  # the wheels' folder, nvidia/cu13
 ARCHS=(80 90)
 SDK=build/cuda-sdk
 OUT=build/cuda-check
@@ -26,8 +27,8 @@ command -v "${CXX:-g++}" >/dev/null || missing "no host C++ compiler (${CXX:-g++
 TORCH_INCLUDE=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))') \
   || missing "no Python with torch found ($PYTHON): run scripts/setup.sh"
 
-# The wheels unpack into one toolkit tree, nvidia/cu13/{bin,include,nvvm,lib}, as nvcc expects.
-NVCC=$SDK/nvidia/cu13/bin/nvcc
+# The wheels unpack into one toolkit tree, nvidia/$CU/{bin,include,nvvm,lib}, as nvcc expects.
+NVCC=$SDK/nvidia/$CU/bin/nvcc
 if [ ! -f "$SDK/ready-$CUDA_VERSION" ]; then
   echo "[cuda] fetching nvcc $CUDA_VERSION from PyPI into $SDK"
   rm -rf "$SDK" && mkdir -p "$SDK/wheels"
@@ -36,7 +37,7 @@ if [ ! -f "$SDK/ready-$CUDA_VERSION" ]; then
     "nvidia-cuda-runtime==$CUDA_VERSION.*" "nvidia-cuda-cccl==$CUDA_VERSION.*" \
     || missing "could not fetch the CUDA $CUDA_VERSION wheels from PyPI"
   for wheel in "$SDK"/wheels/*.whl; do "$PYTHON" -m zipfile -e "$wheel" "$SDK"; done
-  chmod +x "$SDK"/nvidia/cu13/bin/* "$SDK"/nvidia/cu13/nvvm/bin/*  # zipfile drops the mode bits
+  chmod +x "$SDK/nvidia/$CU"/bin/* "$SDK/nvidia/$CU"/nvvm/bin/*  # zipfile drops the mode bits
   # torch's generated CUDA macros header, which a CPU build of torch lacks (a CUDA build has it):
   # searched after torch's own include directory.
   mkdir -p "$SDK/shim/c10/cuda/impl"

@@ -1,7 +1,7 @@
 """The CUDA kernels compile for the GPUs they target, on a machine without a CUDA toolkit or a GPU.
 
 * native: ``scripts/check_cuda.sh`` compiles ``rig_decode/kernels/csrc/*.cu`` with NVIDIA's nvcc
-  13.0 from PyPI wheels (the GPU machines' version), warnings as errors. Skipped only where PyPI is
+  13.0 from PyPI wheels (the CUDA of current torch CUDA builds), warnings as errors. Skipped only where PyPI is
   out of reach or there is no host compiler.
 * Triton: the kernel the CPU tests run in Triton's interpreter is compiled ahead of time for
   sm_80 / sm_90 by Triton's own compiler (Triton ships its ptxas): the interpreter accepts programs
@@ -35,10 +35,8 @@ def test_the_cuda_kernels_compile_for_ampere_and_hopper():
             assert cubin[:4] == b"\x7fELF" and int.from_bytes(cubin[18:20], "little") == EM_CUDA, arch
             # CUDA 13's ptxas writes the architecture into bits 8-15 of e_flags (ELF64: offset 48).
             assert int.from_bytes(cubin[48:52], "little") >> 8 & 0xFF == arch
-        host = (out / f"{source.stem}.o").read_bytes()
-        # Both operators get a CUDA kernel: their names are registered with the dispatcher.
-        for op in (b"rope_shift_", b"rope_shift_layers_"):
-            assert op + b"\0" in host, op
+        # The operator gets its CUDA kernel: the object registers it with the dispatcher by name.
+        assert b"rope_shift_layers_\0" in (out / f"{source.stem}.o").read_bytes()
 
 
 @pytest.mark.parametrize("arch,dtype,half", [(80, "bf16", 64), (90, "bf16", 64), (80, "fp16", 32), (90, "fp32", 3)])

@@ -106,7 +106,11 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
-def test_layers_are_shifted_alike_and_must_share_a_shape():
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_layers_are_shifted_alike_and_must_share_a_shape(backend, monkeypatch):
+    if backend == "native" and not kernels.native.supports(DEVICE):
+        pytest.skip("the native extension is not built (tests/test_native.py builds it)")
+    monkeypatch.setenv("RIG_KERNELS", backend)
     gen = torch.Generator().manual_seed(2)
     keys, rows, cs, shift, inv = _case(gen, 2, 2, 9, 16, 7, torch.float32, "contiguous")
     layers = [keys.clone(), (keys * 2).clone()]
@@ -115,10 +119,17 @@ def test_layers_are_shifted_alike_and_must_share_a_shape():
     assert out[0] is layers[0] and out[1] is layers[1]  # in place
     for got, want in zip(out, expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="one shape"):
-        kernels.rope_shift_layers_([keys, keys[:, :, :4]], rows, cs, shift, inv)
-    with pytest.raises(ValueError, match="share memory"):
-        kernels.rope_shift_layers_([keys, layers[0], keys], rows, cs, shift, inv)
+    # Refused before any layer is written: another shape or dtype, or two layers sharing memory.
+    before = [k.clone() for k in layers]
+    buf = torch.randn(2, *keys.shape, device=DEVICE)
+    overlapping = buf.view(-1)[16 : 16 + keys.numel()].view(keys.shape)  # buf[0] moved on by one key
+    for bad, what in (([*layers, keys[:, :, :4]], "one shape"), ([*layers, keys.double()], "dtype"),
+                      ([*layers, layers[0]], "share memory"), ([buf[0], overlapping], "share memory")):
+        with pytest.raises(ValueError, match=what):
+            kernels.rope_shift_layers_(bad, rows, cs, shift, inv)
+    kernels.rope_shift_layers_([buf[1], buf[0]], rows, cs, shift, inv)  # adjacent, not shared: fine
+    for got, want in zip(layers, before):
+        assert torch.equal(got, want)
 
 
 # -- eviction in the runner ---------------------------------------------------------------------------

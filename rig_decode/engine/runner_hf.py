@@ -65,7 +65,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..kernels import rope_shift_layers_, rotary_inv_freq
+from ..kernels import rope_shift_layers_, rotary_inv_freq, to_device
 
 PACKED_ATTENTION = "rig_packed"
 
@@ -541,10 +541,10 @@ class HFModelRunner:
             n, end = widths[i], self.ends[i]
             rows_idx.append(torch.full((n,), i, dtype=torch.long))
             cols_idx.append(torch.arange(end, end + n))
-            shift.append(local.float().cpu() + self.lengths[i])
-        # The re-rotation takes the host copies (checked there, no device sync); the writes the device's.
+            shift.append(local.float().cpu() + self.lengths[i])  # ChunkKVStore's shifts are on the host already
+        # rope_shift_layers_ bounds-checks host indices without a device sync; layer.write needs them on the device.
         rows_idx, cols_idx, shift = torch.cat(rows_idx), torch.cat(cols_idx), torch.cat(shift)
-        rows_dev, cols_dev = rows_idx.to(self.device), cols_idx.to(self.device)
+        rows_dev, cols_dev = self._upload(rows_idx), self._upload(cols_idx)
         width = max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
         for li, layer in enumerate(self.cache.layers):
             keys, values = ([kv[li][part][0].transpose(0, 1) for kv, _ in staged.values()] for part in (0, 1))
@@ -577,11 +577,11 @@ class HFModelRunner:
                 new_mask[i, width - n :] = 1
                 pos[i, width - n :] = torch.arange(start, start + n)
             pos[i, : width - n] = start  # holes: any in-range position, they are masked out
-        self.attn = torch.cat([self.attn, new_mask.to(self.device)], dim=1)
+        self.attn = torch.cat([self.attn, self._upload(new_mask)], dim=1)
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
         self.ends = [self.num_columns if r else e for e, r in zip(self.ends, rows)]
-        out = self.model(input_ids=ids.to(self.device), attention_mask=self.attn if self.has_holes else None,
-                         position_ids=pos.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=self._upload(ids), attention_mask=self.attn if self.has_holes else None,
+                         position_ids=self._upload(pos), cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
     def _forward_packed(self, rows: list[list[int]]) -> torch.Tensor:
@@ -591,10 +591,10 @@ class HFModelRunner:
         fed = [i for i, r in enumerate(rows) if r]
         counts = [len(rows[i]) for i in fed]
         starts = [sum(counts[:j]) for j in range(len(fed))]
-        ids = torch.tensor([[t for i in fed for t in rows[i]]], device=self.device)
+        ids = self._upload(torch.tensor([[t for i in fed for t in rows[i]]]))
         pos = torch.cat([torch.arange(self.lengths[i], self.lengths[i] + n) for i, n in zip(fed, counts)])
-        cols = torch.cat([torch.arange(self.ends[i], self.ends[i] + n) for i, n in zip(fed, counts)]).to(self.device)
-        row_of = torch.repeat_interleave(torch.tensor(fed), torch.tensor(counts)).to(self.device)
+        cols = self._upload(torch.cat([torch.arange(self.ends[i], self.ends[i] + n) for i, n in zip(fed, counts)]))
+        row_of = self._upload(torch.repeat_interleave(torch.tensor(fed), torch.tensor(counts)))
         width = max(self.num_columns, *(self.ends[i] + n for i, n in zip(fed, counts)))
         self._mark_written(dict(zip(fed, counts)), width)
         plan = self._packed_plan(fed, counts, starts, cols)
@@ -602,8 +602,8 @@ class HFModelRunner:
             layer.scatter = (row_of, cols, width)
         try:
             with _attention_implementation(self.model.config, PACKED_ATTENTION):
-                last = torch.tensor([s + n - 1 for s, n in zip(starts, counts)], device=self.device)
-                out = self.model(input_ids=ids, position_ids=pos[None].to(self.device), cache=self.cache,
+                last = self._upload(torch.tensor([s + n - 1 for s, n in zip(starts, counts)]))
+                out = self.model(input_ids=ids, position_ids=self._upload(pos[None]), cache=self.cache,
                                  use_cache=True, rig_packed=plan, logits_to_keep=last)
         finally:
             for layer in self.cache.layers:
@@ -635,9 +635,14 @@ class HFModelRunner:
             return PackedStep(attend, self.batch_size, None, None, None, spans)
         single_rows = [i for i, _ in singles]
         every_row = single_rows == list(range(self.batch_size))
-        return PackedStep(attend, self.batch_size, torch.tensor([s for _, s in singles], device=self.device),
-                          None if every_row else torch.tensor(single_rows, device=self.device),
+        return PackedStep(attend, self.batch_size, self._upload(torch.tensor([s for _, s in singles])),
+                          None if every_row else self._upload(torch.tensor(single_rows)),
                           mask(real[:, None, None, :]), spans)
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the model's device, queued on the stream without waiting for the GPU's
+        work (``kernels.to_device``): a hop's second forward is launched while its first still runs."""
+        return to_device(t, self.device)
 
     def _rope_inv_freq(self) -> torch.Tensor:
         if self._inv_freq is None:

@@ -20,9 +20,10 @@ import os
 import torch
 
 from . import native
-from .rope import _check, _rotate_, rope_shift_ref_, rotary_inv_freq
+from .rope import _check, _check_layers, _rotate_, rope_shift_ref_, rotary_inv_freq
 
-__all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rotary_inv_freq", "backend_for", "has_triton"]
+__all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rotary_inv_freq", "backend_for", "has_triton",
+           "to_device"]
 
 
 def has_triton() -> bool:
@@ -66,28 +67,23 @@ def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shif
 
 def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
                        inv_freq: torch.Tensor) -> list[torch.Tensor]:
-    """``rope_shift_`` on every layer's keys (one shape, dtype and device) with the same entries,
-    checked and prepared once for all layers.
+    """``rope_shift_`` on every layer's keys (one shape, dtype and device, no two sharing memory)
+    with the same entries, checked once for all layers before anything is written.
 
     For CUDA keys, give the indices as CPU tensors where they are built on the host (the runner
     does): their bounds are then checked there, and they reach the device in one copy that does
     not wait for the GPU, so the re-rotation costs no device sync. Indices already on the device
-    cost one sync (native op) or two (Triton, torch) for the bounds check, once for all layers."""
+    cost one, for the bounds check."""
     if not layers:
         return layers
     rows, cols = rows.long(), cols.long()
     first = layers[0]
     backend = backend_for(first.device)
-    if backend == "native":  # checks everything itself, before it writes anything
+    if backend == "native":  # checks everything itself, and computes the angles once
         return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
     _check(first, rows, cols, shift, inv_freq)
-    for keys in layers[1:]:
-        if (keys.shape, keys.dtype, keys.device) != (first.shape, first.dtype, first.device):
-            raise ValueError(f"every layer's keys must have one shape, dtype and device, got {tuple(first.shape)} "
-                             f"{first.dtype} on {first.device} and {tuple(keys.shape)} {keys.dtype} on {keys.device}")
-    if len({keys.data_ptr() for keys in layers}) < len(layers):
-        raise ValueError("two layers share memory (the same keys listed twice?): they would be rotated twice")
-    rows, cols, shift, inv_freq = (_on_device(t, first.device) for t in (rows, cols, shift, inv_freq))
+    _check_layers(layers)
+    rows, cols, shift, inv_freq = (to_device(t, first.device) for t in (rows, cols, shift, inv_freq))
     if backend == "triton":
         from .triton_rope import rope_shift_triton_ as kernel
     else:
@@ -97,9 +93,10 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     return layers
 
 
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; from the host to CUDA through pinned memory, so the copy is queued on the
-    stream instead of waiting for the work before it."""
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. From the host to CUDA the copy goes through pinned memory and is queued
+    on the stream: it does not wait for the GPU's work (a copy from pageable memory would)."""
+    device = torch.device(device)
     if t.device == device:
         return t
     if t.device.type == "cpu" and device.type == "cuda":

@@ -65,8 +65,9 @@ class ChunkKVStore:
 
     def block_kv(self, token_ids: list[int], segments: list[int], count: int) -> tuple[KV, torch.Tensor]:
         """KV of the block's first ``count`` tokens from its pieces, and each column's shift to its
-        place in the block (a piece cut by ``count`` contributes its first tokens: with causal
-        attention a prefix's KV does not depend on what follows it)."""
+        place in the block, on the host (the runner adds the row's length there, without a device
+        sync). A piece cut by ``count`` contributes its first tokens: with causal attention a
+        prefix's KV does not depend on what follows it."""
         if sum(segments) != len(token_ids) or min(segments, default=0) < 0:
             raise ValueError(f"segments {segments} must be lengths covering the block's {len(token_ids)} tokens")
         if not 0 < count <= len(token_ids):
@@ -86,4 +87,4 @@ class ChunkKVStore:
             at += n
         layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                   for i in range(len(parts[0]))]
-        return layers, torch.cat(shifts).to(self.device)
+        return layers, torch.cat(shifts)

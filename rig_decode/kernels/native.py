@@ -1,16 +1,15 @@
 """Loads the optional native extension ``rig_decode._C``: C++ (and, where built, CUDA) kernels.
 
-The extension registers the operators ``torch.ops.rig_decode.rope_shift_`` (same semantics as
-``rope.rope_shift_ref_``) and ``rope_shift_layers_`` (the same on every layer of a cache, checked
-and prepared once) for the CPU, and for CUDA when it was built against a CUDA torch with ``nvcc``
-at hand. It is a plain torch operator library, not a Python module: it is loaded with
-``torch.ops.load_library`` from ``rig_decode/_C*.so``, once, on first use.
+The extension registers the operator ``torch.ops.rig_decode.rope_shift_layers_`` (``rope.rope_shift_ref_``
+on every layer of a cache, checked and prepared once) for the CPU, and for CUDA when it was built
+against a CUDA torch with ``nvcc`` at hand. It is a plain torch operator library, not a Python
+module: it is loaded with ``torch.ops.load_library`` from ``rig_decode/_C*.so``, once, on first use.
 
 Build it (cmake and a C++ compiler needed; rebuild after upgrading torch) with::
 
     scripts/build_native.sh
 
-``RIG_NATIVE=0`` disables loading it; without it ``kernels.rope_shift_`` falls back to Triton or torch.
+``RIG_NATIVE=0`` disables loading it; without it ``kernels.rope_shift_layers_`` falls back to Triton or torch.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
-_OPS = ("rig_decode::rope_shift_", "rig_decode::rope_shift_layers_")
+_OP = "rig_decode::rope_shift_layers_"
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -41,8 +40,8 @@ def _library_path() -> Path | None:
 
 def _has_kernel(dispatch_key: str) -> bool:
     try:
-        return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key) for op in _OPS)
-    except RuntimeError:  # an operator itself is not registered
+        return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, dispatch_key)
+    except RuntimeError:  # the operator itself is not registered
         return False
 
 
@@ -59,7 +58,7 @@ def _load() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001 - any failure to load means "not available", with its reason
         return False, f"failed to load {path}: {type(exc).__name__}: {exc}"
     if not _has_kernel("CPU"):
-        return False, f"{path} does not register {' and '.join(_OPS)} (stale build? run scripts/build_native.sh)"
+        return False, f"{path} does not register {_OP} (stale build? run scripts/build_native.sh)"
     return True, ""
 
 
@@ -93,27 +92,24 @@ def supports(device: torch.device | str) -> bool:
     return False
 
 
-def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                inv_freq: torch.Tensor) -> torch.Tensor:
-    """``rope.rope_shift_ref_`` by the native kernel: rotate ``keys[rows[n], :, cols[n], :]`` by ``shift[n]``.
-
-    The (row, column) pairs must be distinct: the kernel rotates in place, so a repeated pair would be
-    rotated by both shifts (or raced over by two threads) where the reference keeps one of them.
-    """
-    if not available():
-        raise RuntimeError(f"the native extension rig_decode._C is not available: {load_error()}")
-    return torch.ops.rig_decode.rope_shift_(keys, rows, cols, shift, inv_freq)
-
-
 def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
                        inv_freq: torch.Tensor) -> list[torch.Tensor]:
-    """``rope_shift_`` on every layer's keys (one shape, dtype and device) with the same entries.
+    """``rope.rope_shift_ref_`` on every layer's keys (one shape, dtype and device, no two sharing
+    memory) with the same entries, by the native kernel.
 
     Arguments are checked, the indices bounds-checked and the angles' cos / sin computed once for
-    all layers. On CUDA, indices given as CPU tensors are checked on the host and copied through
-    pinned memory: no device sync at all (CUDA indices cost one, for the bounds check).
+    all layers, before anything is written. On CUDA, indices given as CPU tensors are checked on the
+    host and copied through pinned memory: no device sync (CUDA indices cost one, for the check).
+    The (row, column) pairs must be distinct: the kernel rotates in place, so a repeated pair would
+    be rotated by both shifts (or raced over by two threads) where the reference keeps one of them.
     """
     if not available():
         raise RuntimeError(f"the native extension rig_decode._C is not available: {load_error()}")
     torch.ops.rig_decode.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
     return layers
+
+
+def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+    """``rope_shift_layers_`` on one tensor of keys."""
+    return rope_shift_layers_([keys], rows, cols, shift, inv_freq)[0]

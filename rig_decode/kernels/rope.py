@@ -56,10 +56,28 @@ def _check(keys, rows, cols, shift, inv_freq) -> None:
     if not (rows.shape == cols.shape == shift.shape) or rows.dim() != 1:
         raise ValueError(f"rows, cols and shift must be 1-D of one length, got {tuple(rows.shape)}, "
                          f"{tuple(cols.shape)}, {tuple(shift.shape)}")
-    # On CUDA indices each test is a device sync; indices on the host cost none.
-    if rows.numel() and (bool(((rows < 0) | (rows >= keys.shape[0])).any())
-                         or bool(((cols < 0) | (cols >= keys.shape[2])).any())):
+    # One device sync for indices on CUDA; none on the host.
+    outside = ((rows < 0) | (rows >= keys.shape[0])).any() | ((cols < 0) | (cols >= keys.shape[2])).any()
+    if bool(outside):
         raise IndexError(f"a (row, column) index is outside keys of shape {tuple(keys.shape)}")
+
+
+def _check_layers(layers: list[torch.Tensor]) -> None:
+    """Every layer's keys of one shape, dtype and device, no two sharing memory (the same keys
+    listed twice would be rotated twice)."""
+    first, spans = layers[0], []
+    for keys in layers:
+        if (keys.shape, keys.dtype, keys.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(f"every layer's keys must have one shape, dtype and device, got {tuple(first.shape)} "
+                             f"{first.dtype} on {first.device} and {tuple(keys.shape)} {keys.dtype} on {keys.device}")
+        if keys.numel():  # the first and last byte it spans
+            reach = [(n - 1) * s for n, s in zip(keys.shape, keys.stride())]
+            low, high = sum(r for r in reach if r < 0), sum(r for r in reach if r > 0)
+            base, item = keys.data_ptr(), keys.element_size()
+            spans.append((base + low * item, base + (high + 1) * item - 1))
+    spans.sort()
+    if any(later[0] <= earlier[1] for earlier, later in zip(spans, spans[1:])):
+        raise ValueError("two layers share memory (the same keys listed twice?): they would be rotated twice")
 
 
 def rotary_inv_freq(model) -> torch.Tensor:

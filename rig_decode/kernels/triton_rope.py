@@ -35,7 +35,7 @@ def _rope_shift_kernel(k_ptr, rows_ptr, cols_ptr, shift_ptr, freq_ptr,
 
 def rope_shift_triton_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
                        inv_freq: torch.Tensor) -> torch.Tensor:
-    """Same contract as ``rope.rope_shift_ref_`` (checked by the caller, ``kernels.rope_shift_``)."""
+    """Same contract as ``rope.rope_shift_ref_`` (checked by the caller, ``kernels.rope_shift_layers_``)."""
     n = rows.numel()
     if n == 0:
         return keys

@@ -1,7 +1,6 @@
-// rig_decode::rope_shift_ and rig_decode::rope_shift_layers_: rotate cached RoPE keys to new
-// positions in place, in one tensor or in every layer of a cache at once.
-// The op schemas, the argument checks shared with the CUDA kernel, and the CPU kernel.
-// Semantics are those of rope_shift_ref_ in rig_decode/kernels/rope.py.
+// rig_decode::rope_shift_layers_: rotate cached RoPE keys to new positions in place, in every layer
+// of a cache at once. The op schema, the argument checks shared with the CUDA kernel, and the CPU
+// kernel. Semantics are those of rope_shift_ref_ in rig_decode/kernels/rope.py, on each layer.
 
 #include "rope_shift.h"
 
@@ -12,51 +11,21 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 namespace rig_decode {
 
-void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
-                           const at::Tensor& shift, const at::Tensor& inv_freq) {
-  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.sizes().equals(cols.sizes()) && rows.sizes().equals(shift.sizes()),
-                    "rope_shift_: rows, cols and shift must be 1-D of one length, got ", rows.sizes(), ", ",
-                    cols.sizes(), ", ", shift.sizes());
-  TORCH_CHECK_TYPE(rows.scalar_type() == at::kLong && cols.scalar_type() == at::kLong,
-                   "rope_shift_: rows and cols must be int64, got ", rows.scalar_type(), " and ", cols.scalar_type());
-  TORCH_CHECK_TYPE(!shift.is_complex() && shift.scalar_type() != at::kBool,
-                   "rope_shift_: shift must be a real number type, got ", shift.scalar_type());
-  TORCH_CHECK_TYPE(at::isFloatingType(inv_freq.scalar_type()), "rope_shift_: inv_freq must be floating point, got ",
-                   inv_freq.scalar_type());
-  if (layers.empty()) {
-    return;
-  }
-  const at::Tensor& keys = layers[0];
-  TORCH_CHECK_VALUE(keys.dim() == 4, "rope_shift_: keys must be [batch, heads, columns, head_dim], got shape ",
-                    keys.sizes());
-  const auto dtype = keys.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "rope_shift_: keys must be float32, float64, bfloat16 or float16, got ", dtype);
-  const int64_t head_dim = keys.size(3);
-  TORCH_CHECK_VALUE(head_dim % 2 == 0, "rope_shift_: head_dim must be even for RoPE, got ", head_dim);
-  TORCH_CHECK_VALUE(inv_freq.numel() == head_dim / 2, "rope_shift_: inv_freq has ", inv_freq.numel(),
-                    " entries; head_dim ", head_dim, " needs ", head_dim / 2);
-  for (const at::Tensor& layer : layers) {
-    TORCH_CHECK_VALUE(layer.sizes().equals(keys.sizes()) && layer.scalar_type() == dtype &&
-                          layer.device() == keys.device(),
-                      "rope_shift_layers_: every layer's keys must have one shape, dtype and device, got ",
-                      keys.sizes(), " ", dtype, " on ", keys.device(), " and ", layer.sizes(), " ",
-                      layer.scalar_type(), " on ", layer.device());
-    // Two elements sharing memory (an expanded view) would be rotated twice.
-    at::assert_no_internal_overlap(layer);
-  }
-  // So would two layers sharing memory (one tensor listed twice): their memory spans must be disjoint.
+namespace {
+
+// Two layers sharing memory (the same keys listed twice) would be rotated twice: the bytes each
+// layer spans must be disjoint.
+void check_layers_disjoint(at::TensorList layers) {
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // first and last byte of each layer
   for (const at::Tensor& layer : layers) {
     if (layer.numel() == 0) {
       continue;
     }
-    int64_t low = 0, high = 0;  // element offsets of the lowest and highest element
+    int64_t low = 0, high = 0;  // element offsets of the lowest and the highest element
     for (int64_t d = 0; d < layer.dim(); ++d) {
       const int64_t reach = (layer.size(d) - 1) * layer.stride(d);
       if (reach < 0) {
@@ -77,6 +46,45 @@ void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const 
   }
 }
 
+}  // namespace
+
+void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
+                           const at::Tensor& shift, const at::Tensor& inv_freq) {
+  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.sizes().equals(cols.sizes()) && rows.sizes().equals(shift.sizes()),
+                    "rope_shift_layers_: rows, cols and shift must be 1-D of one length, got ", rows.sizes(), ", ",
+                    cols.sizes(), ", ", shift.sizes());
+  TORCH_CHECK_TYPE(rows.scalar_type() == at::kLong && cols.scalar_type() == at::kLong,
+                   "rope_shift_layers_: rows and cols must be int64, got ", rows.scalar_type(), " and ",
+                   cols.scalar_type());
+  TORCH_CHECK_TYPE(!shift.is_complex() && shift.scalar_type() != at::kBool,
+                   "rope_shift_layers_: shift must be a real number type, got ", shift.scalar_type());
+  TORCH_CHECK_TYPE(at::isFloatingType(inv_freq.scalar_type()),
+                   "rope_shift_layers_: inv_freq must be floating point, got ", inv_freq.scalar_type());
+  if (layers.empty()) {
+    return;
+  }
+  const at::Tensor& keys = layers[0];
+  TORCH_CHECK_VALUE(keys.dim() == 4, "rope_shift_layers_: keys must be [batch, heads, columns, head_dim], got shape ",
+                    keys.sizes());
+  const auto dtype = keys.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "rope_shift_layers_: keys must be float32, float64, bfloat16 or float16, got ", dtype);
+  const int64_t head_dim = keys.size(3);
+  TORCH_CHECK_VALUE(head_dim % 2 == 0, "rope_shift_layers_: head_dim must be even for RoPE, got ", head_dim);
+  TORCH_CHECK_VALUE(inv_freq.numel() == head_dim / 2, "rope_shift_layers_: inv_freq has ", inv_freq.numel(),
+                    " entries; head_dim ", head_dim, " needs ", head_dim / 2);
+  for (const at::Tensor& layer : layers) {
+    TORCH_CHECK_VALUE(layer.sizes().equals(keys.sizes()) && layer.scalar_type() == dtype &&
+                          layer.device() == keys.device(),
+                      "rope_shift_layers_: every layer's keys must have one shape, dtype and device, got ",
+                      keys.sizes(), " ", dtype, " on ", keys.device(), " and ", layer.sizes(), " ",
+                      layer.scalar_type(), " on ", layer.device());
+    // Two elements sharing memory (an expanded view) would be rotated twice.
+    at::assert_no_internal_overlap(layer);
+  }
+  check_layers_disjoint(layers);
+}
+
 void check_rope_shift_indices_on_host(const at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols) {
   const at::Tensor rows_c = rows.contiguous(), cols_c = cols.contiguous();
   const int64_t* row = rows_c.data_ptr<int64_t>();
@@ -84,7 +92,7 @@ void check_rope_shift_indices_on_host(const at::Tensor& keys, const at::Tensor& 
   const int64_t batch = keys.size(0), columns = keys.size(2);
   for (int64_t n = 0; n < rows_c.numel(); ++n) {
     TORCH_CHECK_INDEX(row[n] >= 0 && row[n] < batch && col[n] >= 0 && col[n] < columns,
-                      "rope_shift_: (row, column) index (", row[n], ", ", col[n], ") at position ", n,
+                      "rope_shift_layers_: (row, column) index (", row[n], ", ", col[n], ") at position ", n,
                       " is outside keys of shape ", keys.sizes());
   }
 }
@@ -134,41 +142,33 @@ void rope_shift_layers_cpu(at::TensorList layers, const at::Tensor& rows, const 
       scalar_t* base;
       int64_t s0, s1, s2, s3;
     };
-    std::vector<Layer> view;
+    std::vector<Layer> ptrs;
     for (const at::Tensor& keys : layers) {
-      view.push_back({keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)});
+      ptrs.push_back({keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)});
     }
-    at::parallel_for(0, per_layer * static_cast<int64_t>(view.size()), grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, per_layer * static_cast<int64_t>(ptrs.size()), grain, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const Layer& k = view[task / per_layer];
-        const int64_t n = task % per_layer / heads, h = task % heads;
-        scalar_t* x1 = k.base + row[n] * k.s0 + h * k.s1 + col[n] * k.s2;
+        const Layer& layer = ptrs[task / per_layer];
+        const int64_t n = (task % per_layer) / heads, h = task % heads;
+        scalar_t* x1 = layer.base + row[n] * layer.s0 + h * layer.s1 + col[n] * layer.s2;
         // A literal unit stride lets the compiler vectorise the common dense layout.
-        if (k.s3 == 1) {
+        if (layer.s3 == 1) {
           rotate_pairs(x1, 1, cos_p + n * half, sin_p + n * half, half);
         } else {
-          rotate_pairs(x1, k.s3, cos_p + n * half, sin_p + n * half, half);
+          rotate_pairs(x1, layer.s3, cos_p + n * half, sin_p + n * half, half);
         }
       }
     });
   });
 }
 
-at::Tensor& rope_shift_cpu(at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& shift,
-                           const at::Tensor& inv_freq) {
-  rope_shift_layers_cpu({keys}, rows, cols, shift, inv_freq);
-  return keys;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(rig_decode, m) {
-  m.def("rope_shift_(Tensor(a!) keys, Tensor rows, Tensor cols, Tensor shift, Tensor inv_freq) -> Tensor(a!)");
   m.def("rope_shift_layers_(Tensor(a!)[] layers, Tensor rows, Tensor cols, Tensor shift, Tensor inv_freq) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rig_decode, CPU, m) {
-  m.impl("rope_shift_", &rope_shift_cpu);
   m.impl("rope_shift_layers_", &rope_shift_layers_cpu);
 }
 

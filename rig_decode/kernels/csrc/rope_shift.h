@@ -1,14 +1,16 @@
-// rig_decode::rope_shift_ and rig_decode::rope_shift_layers_: what the CPU kernel (rope_shift.cpp)
-// and the CUDA kernel (rope_shift_cuda.cu) share.
+// rig_decode::rope_shift_layers_: what the CPU kernel (rope_shift.cpp) and the CUDA kernel
+// (rope_shift_cuda.cu) share.
 
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 namespace rig_decode {
 
-// Everything but the index bounds, for keys and for every layer of a list (one shape, dtype and
-// device), so a bad call raises before anything is written.
+// Everything but the index bounds: every layer of one shape, dtype and device, no two sharing
+// memory, and arguments that fit them; a bad call raises before anything is written.
 void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
                            const at::Tensor& shift, const at::Tensor& inv_freq);
 

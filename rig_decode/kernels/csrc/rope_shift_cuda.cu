@@ -1,7 +1,6 @@
-// CUDA kernels of rig_decode::rope_shift_ and rig_decode::rope_shift_layers_ (schemas and CPU kernel
-// in rope_shift.cpp): one thread block per (position, head), its threads striding over the rotated
-// pairs; one launch per layer, with the arguments checked, moved to the device and turned into
-// cos / sin tables once for all layers.
+// CUDA kernel of rig_decode::rope_shift_layers_ (schema and CPU kernel in rope_shift.cpp): one
+// thread block per (position, head), its threads striding over the rotated pairs; one launch per
+// layer, the arguments checked, moved to the device and turned into cos / sin tables once for all.
 
 #include "rope_shift.h"
 
@@ -52,10 +51,11 @@ void rope_shift_layers_cuda(at::TensorList layers, const at::Tensor& rows, const
     return;
   }
   const at::Tensor& first = layers[0];
-  TORCH_CHECK(first.is_cuda(), "rope_shift_: keys must be CUDA tensors when any argument is, got ", first.device());
+  TORCH_CHECK(first.is_cuda(), "rope_shift_layers_: keys must be CUDA tensors when any argument is, got ",
+              first.device());
   const int64_t n_pos = rows.numel(), heads = first.size(1), half = first.size(3) / 2;
-  TORCH_CHECK(n_pos * heads <= std::numeric_limits<int32_t>::max(), "rope_shift_: ", n_pos, " positions x ", heads,
-              " heads exceed one launch");
+  TORCH_CHECK(n_pos * heads <= std::numeric_limits<int32_t>::max(), "rope_shift_layers_: ", n_pos, " positions x ",
+              heads, " heads exceed one launch");
   const c10::cuda::CUDAGuard guard(first.device());
   // An out-of-range index would write outside keys: every index is checked before any write, on the
   // host when the indices are there (no sync), else on the device (one sync for all layers).
@@ -64,8 +64,8 @@ void rope_shift_layers_cuda(at::TensorList layers, const at::Tensor& rows, const
   } else if (n_pos > 0) {
     const at::Tensor r = rows.to(first.device()), c = cols.to(first.device());
     const at::Tensor bad = (r < 0) | (r >= first.size(0)) | (c < 0) | (c >= first.size(2));
-    TORCH_CHECK_INDEX(!bad.any().item<bool>(), "rope_shift_: a (row, column) index is outside keys of shape ",
-                      first.sizes());
+    TORCH_CHECK_INDEX(!bad.any().item<bool>(), "rope_shift_layers_: a (row, column) index is outside keys of shape ",
+                      first.sizes(), " (checked on the device: give the indices on the host to learn which)");
   }
   if (n_pos == 0 || heads == 0 || half == 0) {
     return;
@@ -89,16 +89,9 @@ void rope_shift_layers_cuda(at::TensorList layers, const at::Tensor& rows, const
   });
 }
 
-at::Tensor& rope_shift_cuda(at::Tensor& keys, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& shift,
-                            const at::Tensor& inv_freq) {
-  rope_shift_layers_cuda({keys}, rows, cols, shift, inv_freq);
-  return keys;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rig_decode, CUDA, m) {
-  m.impl("rope_shift_", &rope_shift_cuda);
   m.impl("rope_shift_layers_", &rope_shift_layers_cuda);
 }
 
