@@ -11,7 +11,8 @@ What a hop spends in ``kernels.rope_shift_layers_`` for one row of a real archit
 Every backend that can serve the device runs (Triton on CUDA only: on CPU it needs its interpreter)
 and its result is compared with the torch reference's (max |diff|, in the keys' dtype). Each figure
 is the median of ``--repeats`` calls after one warm-up, CUDA synchronised; GB/s counts each rotated
-key read once and written once.
+key read once and written once. The indices are CPU tensors, as the runner passes them; on CUDA,
+``syncs`` counts the device syncs torch reports during one call (``torch.cuda.set_sync_debug_mode``).
 
     python bench/kernels.py                        # the embedded default's KV shapes (fp32 on CPU)
     python bench/kernels.py --model qwen2.5-32b    # Qwen2.5-32B's (bf16 on CUDA), 8k context
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -60,15 +62,29 @@ def backends(device: torch.device) -> list[str]:
     return found
 
 
-def cases(context: int, span: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(rows, cols, shift) of each operation on a one-row cache ``context + span`` columns wide."""
+def cases(context: int, span: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows, cols, shift) of each operation on a one-row cache ``context + span`` columns wide, on
+    the host (as the runner gives them)."""
     start = (context - span) // 2
-    after = torch.arange(start + span, context, device=device)
-    block = torch.arange(context, context + span, device=device)
+    after = torch.arange(start + span, context)
+    block = torch.arange(context, context + span)
     return {
-        "evict": (torch.zeros_like(after), after, torch.full(after.shape, -float(span), device=device)),
-        "stage": (torch.zeros_like(block), block, torch.full(block.shape, float(context), device=device)),
+        "evict": (torch.zeros_like(after), after, torch.full(after.shape, -float(span))),
+        "stage": (torch.zeros_like(block), block, torch.full(block.shape, float(context))),
     }
+
+
+def device_syncs(call) -> int:
+    """The device syncs torch reports during ``call`` (CUDA)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def main(argv=None) -> int:
@@ -100,7 +116,7 @@ def main(argv=None) -> int:
     rows_out, result = [], {"bench": "kernels", "model": name, "device": str(device) if not cuda else
                             torch.cuda.get_device_name(device), "dtype": str(dtype).removeprefix("torch."),
                             "layers": arch.num_hidden_layers, "context": context, "span": args.span, "ops": {}}
-    for op, (rows, cols, shift) in cases(context, args.span, device).items():
+    for op, (rows, cols, shift) in cases(context, args.span).items():
         with forced("torch"):
             want = rope_shift_layers_([k.clone() for k in base], rows, cols, shift, inv_freq)
         moved = 2 * rows.numel() * heads * dim * base[0].element_size() * len(base)  # read + write
@@ -110,16 +126,18 @@ def main(argv=None) -> int:
                 diff = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
                 del got
                 work = [k.clone() for k in base]  # rotated again at every call: rotations compose
-                ms = clock.median_ms(lambda: rope_shift_layers_(work, rows, cols, shift, inv_freq), args.repeats)
+                call = lambda: rope_shift_layers_(work, rows, cols, shift, inv_freq)  # noqa: E731
+                ms = clock.median_ms(call, args.repeats)
+                syncs = device_syncs(call) if cuda else None
                 del work
-            rows_out.append((op, backend, rows.numel(), ms, moved / ms / 1e6, diff))
+            rows_out.append((op, backend, rows.numel(), ms, moved / ms / 1e6, diff, syncs))
             result["ops"].setdefault(op, {"positions": rows.numel()})[backend] = {
-                "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 2), "max_abs_diff": diff}
+                "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 2), "max_abs_diff": diff, "syncs": syncs}
         del want
 
-    print(f"{'op':<6} {'backend':<8} {'positions':>9} {'ms':>9} {'GB/s':>8} {'max |diff| vs torch':>20}")
-    for op, backend, n, ms, gbs, diff in rows_out:
-        print(f"{op:<6} {backend:<8} {n:>9,} {ms:>9.3f} {gbs:>8.1f} {diff:>20.2e}")
+    print(f"{'op':<6} {'backend':<8} {'positions':>9} {'ms':>9} {'GB/s':>8} {'max |diff| vs torch':>20} {'syncs':>6}")
+    for op, backend, n, ms, gbs, diff, syncs in rows_out:
+        print(f"{op:<6} {backend:<8} {n:>9,} {ms:>9.3f} {gbs:>8.1f} {diff:>20.2e} {'-' if syncs is None else syncs:>6}")
     for op, per in result["ops"].items():
         fastest = min((b for b in per if b != "positions"), key=lambda b: per[b]["ms"])
         per["fastest"] = fastest
