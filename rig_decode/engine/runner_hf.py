@@ -641,7 +641,7 @@ class HFModelRunner:
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the model's device, queued on the stream without waiting for the GPU's
-        work (``kernels.to_device``): a hop's second forward is launched while its first still runs."""
+        work (``kernels.to_device``), so a hop's second forward can be queued while its first still runs."""
         return to_device(t, self.device)
 
     def _rope_inv_freq(self) -> torch.Tensor:
