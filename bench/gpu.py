@@ -14,7 +14,8 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
    scratch (what string-based RIG systems do), in ms, and their ratio; and the KV buffers the
    row holds then (spare columns included) beside its tokens' own KV;
 4. the zero-prefill splice of the same hop: the block's KV assembled from a warm ``ChunkKVStore``
-   (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed;
+   (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed; for both kinds of
+   hop, the device syncs torch reports during one (CUDA only: where the host waits for the GPU);
 5. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row;
 6. search: top-10 for 8 queries over 1M normalized 384-d vectors (FAISS on the GPU when the
    installed faiss has GPU support, else a matmul + ``torch.topk`` on the device);
@@ -68,7 +69,7 @@ from rig_decode.models.loader import ModelLoadError, nf4_config
 from rig_decode.retrieval.base import Hit
 
 from random_qwen import build_model, qwen2_config, weights_bytes  # bench/ is on sys.path when run as a script
-from timing import Clock
+from timing import Clock, device_syncs
 
 SEED = 0
 EMBED_DIM = 384
@@ -273,6 +274,7 @@ class Bench:
         r.add("evidence prefill", f"{len(new)} tokens, {context} ctx", len(new) * 1e3 / splice, "tokens/s",
               "evidence_prefill_tok_s", context)
         r.add("hop", f"splice, {context} ctx", splice, "ms", "splice_ms", context)
+        self.syncs("hop", lambda: runner.step([new]), undo, "splice_syncs", context)
         slots, tokens = runner.reserved_slots, len(ctx) + len(new)
         r.add("hop", f"KV held, {context} ctx", slots, f"token slots for {tokens:,} tokens "
               f"({slots * kv_bytes_per_token_of(self.model) / GiB:.2f} GiB)", "kv_held_slots", context)
@@ -304,6 +306,17 @@ class Bench:
             return
         self.report.add("zero-prefill", metric, ms, f"ms ({count} of {len(block)} tokens reused)", "zero_prefill_ms",
                         context)
+        self.syncs("zero-prefill", hop, undo, "zero_prefill_syncs", context)
+
+    def syncs(self, section: str, hop, undo, key: str, context: int) -> None:
+        """The device syncs in one hop: where its host side waits for the GPU (a hop has to read its
+        logits in the end; before that, each one stalls the queue)."""
+        metric = f"device syncs in one hop, {context} ctx"
+        if self.device.type != "cuda":
+            self.report.missing(section, metric, key, "counted on cuda only", context)
+            return
+        self.report.add(section, metric, device_syncs(hop), "syncs", key, context)
+        undo()
 
     def reprefill_ms(self, ids: list[int]) -> float:
         """What string-based RIG does at a hop: one forward over everything, from an empty cache."""

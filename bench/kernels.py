@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -34,7 +33,7 @@ import torch
 from rig_decode.engine.kv import resolve_architecture
 from rig_decode.kernels import has_triton, native, rope_shift_layers_
 
-from timing import Clock  # bench/ is on sys.path when run as a script
+from timing import Clock, device_syncs  # bench/ is on sys.path when run as a script
 
 ROPE_THETA = 10_000.0
 
@@ -72,19 +71,6 @@ def cases(context: int, span: int) -> dict[str, tuple[torch.Tensor, torch.Tensor
         "evict": (torch.zeros_like(after), after, torch.full(after.shape, -float(span))),
         "stage": (torch.zeros_like(block), block, torch.full(block.shape, float(context))),
     }
-
-
-def device_syncs(call) -> int:
-    """The device syncs torch reports during ``call`` (CUDA)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            call()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def main(argv=None) -> int:

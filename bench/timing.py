@@ -1,9 +1,11 @@
-"""Timing for the benchmarks: milliseconds of a callable, CUDA synchronised on both sides."""
+"""Timing for the benchmarks: milliseconds of a callable, CUDA synchronised on both sides, and the
+device syncs a callable makes."""
 
 from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -34,3 +36,17 @@ class Clock:
             if i:
                 times.append(t)
         return statistics.median(times)
+
+
+def device_syncs(fn) -> int:
+    """The device syncs torch reports while ``fn`` runs (CUDA; ``torch.cuda.set_sync_debug_mode``):
+    each is a point where the host waits for the GPU's queued work."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
