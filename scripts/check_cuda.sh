@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Compile the CUDA kernels (rig_decode/kernels/csrc/*.cu) on a machine without a CUDA toolkit or a
 # GPU, so that a compile error shows here and not first on a GPU machine. NVIDIA's nvcc 13.0 (the
-# CUDA of current torch CUDA builds) compiles each source for sm_80 and sm_90 with the flags torch's own CUDA
-# extensions use, against the torch headers of .venv, warnings as errors (nvcc's and g++'s). The
-# object and each architecture's cubin go to build/cuda-check. Nothing is linked or run.
+# CUDA of current torch CUDA builds) compiles each source for sm_80 and sm_90 with the flags torch's
+# own CUDA extensions use, against the torch headers of .venv, warnings as errors (nvcc's and g++'s).
+# The object and each architecture's cubin go to build/cuda-check. Nothing is linked or run.
 #
 # The toolkit comes from NVIDIA's wheels on PyPI (nvidia-cuda-nvcc, -crt, -runtime, -cccl and
 # nvidia-nvvm: about 105 MB to fetch), unpacked once into build/cuda-sdk.
