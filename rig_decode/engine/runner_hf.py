@@ -489,10 +489,11 @@ class HFModelRunner:
 
     def _capture_prefix(self) -> None:
         """A lone new row whose prompt is now in the cache (its first columns, in order: it was
-        seeded at the left and fed right after) leaves a copy of that KV as the cached prefix."""
+        seeded at the left and fed right after) leaves a copy of that KV as the cached prefix. A row
+        whose next column equals its real-token count holds no hole before it: read on the host."""
         for row, ids in self._capture.items():
             n = len(ids)
-            if self.lengths[row] >= n and bool(self.attn[row, :n].all()):
+            if self.lengths[row] >= n and self.ends[row] == self.lengths[row]:
                 layers = self.cache.layers
                 self._prefix = (ids, [(layer.keys[row : row + 1, :, :n].clone(),
                                        layer.values[row : row + 1, :, :n].clone()) for layer in layers])
