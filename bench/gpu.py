@@ -269,12 +269,13 @@ class Bench:
         ctx = random_ids(self.gen, self.vocab, context)
         new = random_ids(self.gen, self.vocab, 1 + self.shapes.evidence)  # the marker's last token, the evidence
         runner, _ = prefill(self.model, [ctx], self.kv_budget)
+        splice_once = lambda: runner.step([new])  # noqa: E731
         undo = lambda: runner.drop_last(len(new))  # noqa: E731  (every repeat splices into the same context)
-        splice = self.clock.median_ms(lambda: runner.step([new]), self.shapes.repeats, reset=undo)
+        splice = self.clock.median_ms(splice_once, self.shapes.repeats, reset=undo)
         r.add("evidence prefill", f"{len(new)} tokens, {context} ctx", len(new) * 1e3 / splice, "tokens/s",
               "evidence_prefill_tok_s", context)
         r.add("hop", f"splice, {context} ctx", splice, "ms", "splice_ms", context)
-        self.syncs("hop", lambda: runner.step([new]), undo, "splice_syncs", context)
+        self.syncs("hop", splice_once, undo, "splice_syncs", context)
         slots, tokens = runner.reserved_slots, len(ctx) + len(new)
         r.add("hop", f"KV held, {context} ctx", slots, f"token slots for {tokens:,} tokens "
               f"({slots * kv_bytes_per_token_of(self.model) / GiB:.2f} GiB)", "kv_held_slots", context)
