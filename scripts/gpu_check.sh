@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one run, most important first: bench/gpu.py (Qwen2.5-32B
 # shapes in nf4 under a 24 GiB cap), then the native extension built with its CUDA kernel, then
-# bench/kernels.py (torch, Triton and native re-rotation at Qwen2.5-32B's KV shapes) and the kernel
+# bench/rope_shift.py (torch, Triton and native re-rotation at Qwen2.5-32B's KV shapes) and the kernel
 # tests on the GPU (Triton and native against the torch reference). Each step has a time
 # limit and a log; one that fails does not stop the others. Each step's summary line is printed
 # (and appended to DIR/summary.txt) as it ends; the exit status is 1 if any step failed.
@@ -57,7 +57,7 @@ if step native "${BUILD_S:-240}" env PYTHON="$PYTHON" JOBS="$(nproc)" \
 else
   native=0  # the native tests would only try the same build again
 fi
-step kernels "${KERNELS_S:-120}" "$PYTHON" bench/kernels.py --model qwen2.5-32b
+step kernels "${KERNELS_S:-120}" "$PYTHON" bench/rope_shift.py --model qwen2.5-32b
 step tests "${TESTS_S:-240}" env RIG_NATIVE="$native" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
   tests/test_native.py tests/test_kernels.py
 

@@ -106,17 +106,21 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "native"])
 def test_layers_are_shifted_alike_and_must_share_a_shape(backend, monkeypatch):
     if backend == "native" and not kernels.native.supports(DEVICE):
         pytest.skip("the native extension is not built (tests/test_native.py builds it)")
+    if backend == "triton":
+        pytest.importorskip("triton")
     monkeypatch.setenv("RIG_KERNELS", backend)
     gen = torch.Generator().manual_seed(2)
     keys, rows, cs, shift, inv = _case(gen, 2, 2, 9, 16, 7, torch.float32, "contiguous")
     layers = [keys.clone(), (keys * 2).clone()]
     expected = [rope_shift_ref_(k.clone(), rows, cs, shift, inv) for k in layers]
+    versions = [k._version for k in layers]
     out = kernels.rope_shift_layers_(layers, rows, cs, shift, inv)
     assert out[0] is layers[0] and out[1] is layers[1]  # in place
+    assert all(k._version > v for k, v in zip(layers, versions))  # autograd sees the write
     for got, want in zip(out, expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # Refused before any layer is written: another shape or dtype, or two layers sharing memory.

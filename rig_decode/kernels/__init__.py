@@ -84,12 +84,15 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     _check(first, rows, cols, shift, inv_freq)
     _check_layers(layers)
     rows, cols, shift, inv_freq = (to_device(t, first.device) for t in (rows, cols, shift, inv_freq))
-    if backend == "triton":
-        from .triton_rope import rope_shift_triton_ as kernel
-    else:
-        kernel = _rotate_
+    if backend == "torch":
+        for keys in layers:
+            _rotate_(keys, rows, cols, shift, inv_freq)
+        return layers
+    from .triton_rope import rope_shift_triton_
+
     for keys in layers:
-        kernel(keys, rows, cols, shift, inv_freq)
+        rope_shift_triton_(keys, rows, cols, shift, inv_freq)
+    torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 
 

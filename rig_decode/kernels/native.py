@@ -106,6 +106,7 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     if not available():
         raise RuntimeError(f"the native extension rig_decode._C is not available: {load_error()}")
     torch.ops.rig_decode.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
+    torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 
 

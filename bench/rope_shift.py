@@ -14,8 +14,8 @@ is the median of ``--repeats`` calls after one warm-up, CUDA synchronised; GB/s 
 key read once and written once. The indices are CPU tensors, as the runner passes them; on CUDA,
 ``syncs`` counts the device syncs torch reports during one call (``torch.cuda.set_sync_debug_mode``).
 
-    python bench/kernels.py                        # the embedded default's KV shapes (fp32 on CPU)
-    python bench/kernels.py --model qwen2.5-32b    # Qwen2.5-32B's (bf16 on CUDA), 8k context
+    python bench/rope_shift.py                     # the embedded default's KV shapes (fp32 on CPU)
+    python bench/rope_shift.py --model qwen2.5-32b # Qwen2.5-32B's (bf16 on CUDA), 8k context
 
 Prints a table, then one JSON line.
 """

@@ -1,4 +1,4 @@
-"""bench/kernels.py at a small context on CPU: every backend that serves the device runs both
+"""bench/rope_shift.py at a small context on CPU: every backend that serves the device runs both
 operations and agrees with the torch reference; the table comes first, the JSON last."""
 
 import subprocess
@@ -11,7 +11,7 @@ from .helpers import bench_output, run_bench
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return run_bench("kernels.py", "--device", "cpu", *args, timeout=300)
+    return run_bench("rope_shift.py", "--device", "cpu", *args, timeout=300)
 
 
 def test_backends_agree_with_the_reference():
