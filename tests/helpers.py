@@ -34,6 +34,7 @@ def load_script(relative: str):
     """A script of the repository (``scripts/...``, ``bench/...``) imported as a module."""
     spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would (dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 

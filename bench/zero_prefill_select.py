@@ -1,0 +1,287 @@
+"""Which evidence tokens should zero-prefill recompute? The block's tail vs CacheBlend's selection.
+
+Zero-prefill (``engine.zero_prefill``) copies each evidence piece's KV, computed alone, into the
+cache and recomputes a share of the block with full attention: today its last tokens. CacheBlend
+instead recomputes the tokens whose KV deviates most from what they would hold in context, found
+at an early layer. This measures, on the real default model, how close each choice brings the
+answer to the exact splice's, at equal recomputed shares.
+
+Each case is a held-out 1-hop question of the synthetic benchmark (``rig synth``'s generator, seed
+0, test world): the chat prompt, the query the model writes for it (greedy, between its markers),
+then an evidence block of the gold document and three documents of the same kind, the gold one
+first, as retrieval ranks it (``--gold random``: at a seeded random place). The exact splice feeds
+the block through the model; every variant holds the context's exact KV, the block's pieces
+computed alone (keys rotated to their positions), and recomputes the selected block tokens (always
+the last) over the context and the block, each token attending by position to the stored KV of the
+tokens not selected and the fresh KV of those selected (CacheBlend's semantics). Selections at a
+share ``r`` of the block's tokens:
+
+* ``tail``: the block's last tokens (what the engine does);
+* ``deviation@1``: the tokens whose layer-1 values differ most from their in-context values
+  (CacheBlend: layer 0's KV does not depend on the context, layer 1's is the first that does; in
+  a system this costs one layer of the block's prefill, here it is read from the exact forward);
+* ``deviation@all``: the same over every layer's values, an oracle no system has before computing.
+
+``none`` masks the whole block out but its last token (no evidence: the floor); ``all`` recomputes
+every token, which must reproduce the exact splice (the harness's own check).
+
+Per variant: agreement of the greedy next token with the exact splice's along its continuation
+(teacher-forced), the mean extra negative log-likelihood of that continuation, the share of
+greedy continuations identical to the exact one, and the share containing the gold answer.
+
+    python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from rig_decode.config import ModelConfig
+from rig_decode.engine.runner_hf import _attention_implementation, new_cache
+from rig_decode.eval.metrics import contains_answer
+from rig_decode.eval.synth import generate
+from rig_decode.evidence import EvidenceFormatter
+from rig_decode.kernels import rope_shift_, rotary_inv_freq
+from rig_decode.kernels.chunk_kv import ChunkKVStore
+from rig_decode.markers import MarkerSpec
+from rig_decode.models.loader import load_model
+from rig_decode.prompt import MARKER_ADAPTER_PROMPT, build_prompt
+from rig_decode.retrieval.base import Hit
+
+MASKED = "rig_select_masked"
+
+
+def _masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, rig_mask=None, **kwargs):
+    """The model's sdpa attention under an explicit boolean mask ``[1, 1, queries, columns]``."""
+    return sdpa_attention_forward(module, query, key, value, rig_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(MASKED, _masked_attention)
+
+
+@dataclass
+class Case:
+    context: list[int]  # prompt and query, up to the end marker
+    block: list[int]
+    segments: list[int]
+    answers: list[str]
+
+
+def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: bool = True) -> list[Case]:
+    """Held-out 1-hop questions with their gold document before ``distractors`` of the same kind
+    (as a retriever ranks it), or at a random place among them; the query is filled in by
+    ``write_queries``."""
+    corpus, splits = generate(seed)
+    docs = {d["id"]: d for d in corpus if d["metadata"]["split"] == "test"}
+    rng = random.Random(seed)
+    fmt = EvidenceFormatter(tok, budget=384)
+    cases = []
+    for q in [q for q in splits["test"] if q.hops == 1][:n]:
+        gold = docs[q.supporting_docs[0]]
+        kind = gold["metadata"]["kind"]
+        others = rng.sample(sorted(i for i, d in docs.items() if d["metadata"]["kind"] == kind and i != gold["id"]),
+                            distractors)
+        picked = [docs[i] for i in others]
+        picked.insert(0 if gold_first else rng.randrange(len(picked) + 1), gold)
+        block = fmt.render_block([Hit(d["id"], d["text"], 1.0, d["title"]) for d in picked], hop=1)
+        cases.append(Case(q.question, block.token_ids, block.segments, [q.answer]))
+    return cases
+
+
+@torch.no_grad()
+def write_queries(model, tok, cases: list[Case], spec: MarkerSpec, max_query: int = 32) -> None:
+    """Each case's context: its chat prompt, then the model's own query between the markers."""
+    start, end = (tok.convert_tokens_to_ids(t[0]) for t in (spec.start, spec.end))
+    for c in cases:
+        ids = build_prompt(tok, c.context, spec, system=MARKER_ADAPTER_PROMPT) + [start]
+        for _ in range(max_query):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == end:
+                break
+        if ids[-1] != end:
+            ids.append(end)
+        c.context = ids
+
+
+def _cache(config, kv):
+    """A cache holding these per-layer keys and values."""
+    cache = new_cache(config)
+    for layer, (k, v) in zip(cache.layers, kv):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+def _forward(model, ids, positions, cache, mask=None):
+    """Logits of each fed token; ``mask``: boolean ``[queries, columns]`` over the cache with the new
+    tokens appended, or None for plain causal attention."""
+    kwargs = dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), cache=cache, use_cache=True)
+    if mask is None:
+        return model(**kwargs).logits[0].float()
+    with _attention_implementation(model.config, MASKED):
+        return model(**kwargs, rig_mask=mask[None, None]).logits[0].float()
+
+
+@torch.no_grad()
+def run_variant(model, ctx_kv, stored_kv, block: list[int], selected: list[int], cont: list[int]):
+    """(logits predicting each of ``cont``'s tokens, greedy continuation as long as ``cont``) with
+    the block's ``selected`` tokens recomputed over the context and the block's stored KV."""
+    c, m = ctx_kv[0][0].shape[2], len(block)
+    cache = _cache(model.config, [(torch.cat([ck, sk], 2), torch.cat([cv, sv], 2))
+                                  for (ck, cv), (sk, sv) in zip(ctx_kv, stored_kv)])
+    sel = torch.tensor(selected)
+    keep = torch.ones(c + m, dtype=torch.bool)
+    keep[c + sel] = False  # stale: their fresh KV is appended
+    block_col = torch.arange(m)
+    stored_ok = keep[c:][None, :] & (block_col[None, :] < sel[:, None])
+    fresh_ok = sel[None, :] <= sel[:, None]
+    mask = torch.cat([torch.ones(len(selected), c, dtype=torch.bool), stored_ok, fresh_ok], dim=1)
+    logits = _forward(model, [block[s] for s in selected], [c + s for s in selected], cache, mask)[-1:]
+    keep = torch.cat([keep, torch.ones(len(selected), dtype=torch.bool)])
+    width, pos = keep.numel(), c + m
+    # Teacher-forced over the exact continuation (all but its last token), then dropped again.
+    n = len(cont) - 1
+    tf_mask = torch.cat([keep[None, :].expand(n, -1), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
+    tf = _forward(model, cont[:-1], list(range(pos, pos + n)), cache, tf_mask) if n else logits[:0]
+    for layer in cache.layers:
+        layer.truncate(width)
+    predict = torch.cat([logits, tf])
+    out, nxt = [], int(logits[-1].argmax())
+    for t in range(len(cont)):
+        out.append(nxt)
+        if t == len(cont) - 1:
+            break
+        keep = torch.cat([keep, torch.ones(1, dtype=torch.bool)])
+        nxt = int(_forward(model, [nxt], [pos + t], cache, keep[None, :])[-1].argmax())
+    return predict, out
+
+
+def select(rule: str, share: float, m: int, deviation: dict[str, torch.Tensor]) -> list[int]:
+    """The block tokens ``rule`` recomputes at ``share`` (always the last, which gives the logits)."""
+    if rule == "none":
+        return [m - 1]
+    if rule == "all":
+        return list(range(m))
+    k = max(1, math.ceil(share * m))
+    if rule == "tail":
+        return list(range(m - k, m))
+    order = deviation[rule][: m - 1].argsort(descending=True)[: k - 1].tolist()
+    return sorted(order + [m - 1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", type=int, default=60)
+    ap.add_argument("--shares", default="0.1,0.25,0.5")
+    ap.add_argument("--gold", choices=("first", "random"), default="first",
+                    help="where the gold document sits in the block: first (as retrieval ranks it) or anywhere")
+    ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
+    args = ap.parse_args(argv)
+    shares = [float(x) for x in args.shares.split(",")]
+    torch.manual_seed(0)
+    model, tok = load_model(ModelConfig())
+    return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first")
+
+
+@torch.no_grad()
+def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
+           spec: MarkerSpec | None = None) -> int:
+    spec = spec or MarkerSpec.special_token()
+    t0 = time.perf_counter()
+    cases = make_cases(tok, examples, gold_first=gold_first)
+    write_queries(model, tok, cases, spec)
+    inv_freq = rotary_inv_freq(model)
+    store = ChunkKVStore(model, max_bytes=1 << 30)
+    stop = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t not in (None, tok.unk_token_id)}
+    rules = ("tail", "deviation@1", "deviation@all")
+    variants = [("none", 0.0), *((r, s) for s in shares for r in rules), ("all", 1.0)]
+    stats = {v: {"agree": 0, "nll": 0.0, "same": 0, "gold": 0, "recomputed": 0} for v in variants}
+    exact_gold = predicted = 0
+    for i, case in enumerate(cases):
+        c, m = len(case.context), len(case.block)
+        cache = new_cache(model.config)
+        _forward(model, case.context, list(range(c)), cache)
+        ctx_kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        # The exact splice: the block fed through the model after the context, then greedy.
+        logits = _forward(model, case.block, list(range(c, c + m)), cache)[-1:]
+        in_context = [layer.values[:, :, c:].clone() for layer in cache.layers]
+        cont, nxt = [], int(logits[-1].argmax())
+        for t in range(tokens):  # the exact answer, up to the end of the turn
+            cont.append(nxt)
+            if nxt in stop:
+                break
+            nxt = int(_forward(model, [nxt], [c + m + t], cache)[-1].argmax())
+        exact_tf = torch.cat([logits, _exact_tf(model, ctx_kv, case, cont)])
+        exact_gold += contains_answer(tok.decode(cont, skip_special_tokens=True), case.answers)
+        # The block's pieces computed alone, keys moved to their positions in this context.
+        kv, shift = store.block_kv(case.block, case.segments, m)
+        stored = []
+        for k, v in kv:
+            k = k.clone()
+            rope_shift_(k, torch.zeros(m, dtype=torch.long), torch.arange(m), shift + c, inv_freq)
+            stored.append((k, v))
+        dev = torch.stack([((v - ref) ** 2).sum(dim=(0, 1, 3)) / (ref ** 2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
+                           for (_, v), ref in zip(stored, in_context)])  # [layers, m]
+        deviation = {"deviation@1": dev[min(1, len(dev) - 1)], "deviation@all": dev.sum(0)}
+        target = torch.tensor(cont)
+        ref_lp = exact_tf.log_softmax(-1)[torch.arange(len(cont)), target]
+        for rule, share in variants:
+            chosen = select(rule, share, m, deviation)
+            pred, out = run_variant(model, ctx_kv, stored, case.block, chosen, cont)
+            lp = pred.log_softmax(-1)[torch.arange(len(cont)), target]
+            s = stats[(rule, share)]
+            s["agree"] += int((pred.argmax(-1) == target).sum())
+            s["nll"] += float((ref_lp - lp).sum())
+            s["same"] += out == cont
+            s["gold"] += contains_answer(tok.decode(out, skip_special_tokens=True), case.answers)
+            s["recomputed"] += len(chosen) / m
+        predicted += len(cont)
+        print(f"  case {i + 1}/{len(cases)}: block {m} tokens, context {c}", file=sys.stderr, flush=True)
+    n = len(cases)
+    rows = {f"{r}@{s:g}": {"recomputed_pct": round(100 * st["recomputed"] / n, 1),
+                           "top1_agreement_pct": round(100 * st["agree"] / predicted, 1),
+                           "extra_nll_per_token": round(st["nll"] / predicted, 3),
+                           "identical_pct": round(100 * st["same"] / n, 1),
+                           "gold_answer_pct": round(100 * st["gold"] / n, 1)}
+            for (r, s), st in stats.items()}
+    print(f"{n} held-out 1-hop questions, gold document {'first' if gold_first else 'at a random place'} of "
+          f"{len(cases[0].segments) - 2 if cases else 0}; exact splice: {100 * exact_gold / n:.1f}% of answers "
+          "contain the gold answer\n")
+    print("| recompute | share of block recomputed | next-token agreement with exact | extra NLL / token | "
+          "identical continuation | gold answer |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['recomputed_pct']:.1f}% | {r['top1_agreement_pct']:.1f}% | "
+              f"{r['extra_nll_per_token']:.3f} | {r['identical_pct']:.1f}% | {r['gold_answer_pct']:.1f}% |")
+    print(json.dumps({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
+                      "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
+                      "elapsed_s": round(time.perf_counter() - t0, 1)}))
+    return 0
+
+
+@torch.no_grad()
+def _exact_tf(model, ctx_kv, case: Case, cont: list[int]) -> torch.Tensor:
+    """The exact splice's logits over its own continuation (teacher-forced, plain causal path)."""
+    c, m = len(case.context), len(case.block)
+    cache = _cache(model.config, [(k.clone(), v.clone()) for k, v in ctx_kv])
+    last = _forward(model, case.block, list(range(c, c + m)), cache)[-1:]
+    if len(cont) == 1:
+        return last[:0]
+    return _forward(model, cont[:-1], list(range(c + m, c + m + len(cont) - 1)), cache)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""bench/zero_prefill_select.py's harness on tiny models: recomputing every block token reproduces
+the exact splice, and with one layer (whose KV does not depend on the context) every selection
+does; the selections pick what they say."""
+
+import json
+
+import pytest
+import torch
+
+from .helpers import load_script, one_layer_model, tiny_model
+
+bench = load_script("bench/zero_prefill_select.py")
+
+
+def _report(model, tok, capsys) -> dict:
+    assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2].startswith("| recompute |")
+    result = json.loads(lines[-1])
+    assert result["bench"] == "zero_prefill_select" and result["examples"] == 3
+    return result["variants"]
+
+
+def test_recomputing_every_token_is_the_exact_splice(tok_special, capsys):
+    variants = _report(tiny_model(len(tok_special), seed=3), tok_special, capsys)
+    assert set(variants) == {"none@0", "all@1", *(f"{r}@{s}" for s in (0.25, 0.5)
+                                                  for r in ("tail", "deviation@1", "deviation@all"))}
+    exact = variants["all@1"]
+    assert exact["recomputed_pct"] == 100.0 and exact["top1_agreement_pct"] == 100.0
+    assert exact["identical_pct"] == 100.0 and abs(exact["extra_nll_per_token"]) < 1e-3
+    assert variants["none@0"]["recomputed_pct"] < 5  # the last token only
+    for s in (0.25, 0.5):
+        shares = {variants[f"{r}@{s}"]["recomputed_pct"] for r in ("tail", "deviation@1", "deviation@all")}
+        assert len(shares) == 1 and 100 * s <= shares.pop() < 100 * s + 5  # equal budgets, rounded up
+    assert variants["none@0"]["extra_nll_per_token"] > 0.01  # masking the evidence out changes the answer
+
+
+def test_with_one_layer_every_selection_is_exact(tok_special, capsys):
+    variants = _report(one_layer_model(len(tok_special), seed=4), tok_special, capsys)
+    for name, v in variants.items():
+        if name != "none@0":
+            assert v["top1_agreement_pct"] == 100.0 and v["identical_pct"] == 100.0, name
+            assert abs(v["extra_nll_per_token"]) < 1e-3, name
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ("none", [9]), ("all", list(range(10))), ("tail", [7, 8, 9]),
+    ("deviation@1", [2, 5, 9]),  # the two largest before the last, then the last
+])
+def test_selections(rule, expected):
+    deviation = {"deviation@1": torch.tensor([0.1, 0.0, 0.9, 0.2, 0.3, 0.8, 0.0, 0.1, 0.2, 5.0])}
+    assert bench.select(rule, 0.3, 10, deviation) == expected
