@@ -61,6 +61,31 @@ def test_triton_matches_reference(batch, heads, cols, dim, n, dtype, view):
         assert not torch.allclose(out.transpose(1, 2)[touched].float(), before.transpose(1, 2)[touched].float())
 
 
+def test_triton_rotates_every_layer_in_one_launch_per_layout(monkeypatch):
+    """Layers laid out alike share a launch (a table of their addresses); a layer with other
+    strides gets its own, and every layer matches the reference."""
+    pytest.importorskip("triton")
+    from rig_decode.kernels import triton_rope
+
+    gen = torch.Generator().manual_seed(5)
+    cases = [_case(gen, 3, 2, 11, 32, 9, torch.float32, view) for view in ("contiguous", "transposed", "slice")]
+    _, rows, cs, shift, inv = cases[0]
+    layers = [cases[0][0], cases[1][0], cases[2][0], cases[0][0].clone() * 3]
+    expected = [rope_shift_ref_(k.clone(), rows, cs, shift, inv) for k in layers]
+    grids, kernel = [], triton_rope._rope_shift_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_rope, "_rope_shift_kernel", Counting())
+    triton_rope.rope_shift_layers_triton_(layers, rows, cs, shift, inv)
+    assert sorted(g[2] for g in grids) == [1, 1, 2]  # the two contiguous layers together
+    for got, want in zip(layers, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_rotations_compose_and_invert():
     gen = torch.Generator().manual_seed(1)
     keys, rows, cs, shift, inv = _case(gen, 2, 2, 8, 32, 10, torch.float64, "contiguous")

@@ -88,10 +88,9 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
         for keys in layers:
             _rotate_(keys, rows, cols, shift, inv_freq)
         return layers
-    from .triton_rope import rope_shift_triton_
+    from .triton_rope import rope_shift_layers_triton_
 
-    for keys in layers:
-        rope_shift_triton_(keys, rows, cols, shift, inv_freq)
+    rope_shift_layers_triton_(layers, rows, cols, shift, inv_freq)
     torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 
