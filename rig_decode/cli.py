@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="evaluate methods (none, rag, rig, rig-reprefill, rig-summary, "
-                                     "rig-zero-prefill) on a dataset")
+                                     "rig-zero-prefill, rig-zero-prefill-deviation) on a dataset")
     ev.add_argument("--dataset", required=True, help="JSONL (our format) or HotpotQA-style JSON/JSONL")
     ev.add_argument("--config", help="YAML config")
     ev.add_argument("--methods", help="default none,rag,rig,rig-reprefill; with --conversations "

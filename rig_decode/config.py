@@ -200,7 +200,11 @@ class ZeroPrefillConfig(_Section):
 
     enabled: bool = False
     recompute: float = Field(0.1, ge=0.0, le=1.0)
-    """Share of each evidence block (its end, at least one token) computed with full attention."""
+    """Share of each evidence block (at least its last token) computed with full attention."""
+    select: Literal["tail", "deviation"] = "tail"
+    """Which tokens: ``tail``, the block's last ones; ``deviation``, its last one and those whose
+    layer-1 values in context differ most from the reused ones (CacheBlend; a two-layer pass over
+    the block finds them; ``bench/zero_prefill_select.py`` compares the two)."""
     store_mb: int = Field(256, ge=0)
     """Bytes of piece KV kept (least recently used dropped first), on the model's device."""
 

@@ -47,6 +47,7 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         append_format=cfg.rig.append_format,
         zero_prefill=cfg.engine.zero_prefill.enabled,
         zero_prefill_recompute=cfg.engine.zero_prefill.recompute,
+        zero_prefill_select=cfg.engine.zero_prefill.select,
         chunk_store_bytes=cfg.engine.zero_prefill.store_mb << 20,
     )
     opts.update(overrides)

@@ -78,10 +78,10 @@ def tiny_tokenizer(special_markers: bool = False) -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_model(vocab_size: int, seed: int = 0, max_positions: int = 2048) -> LlamaForCausalLM:
+def tiny_model(vocab_size: int, seed: int = 0, max_positions: int = 2048, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )

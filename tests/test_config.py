@@ -21,6 +21,7 @@ def test_defaults_and_yaml_roundtrip(tmp_path):
         ("retriever: {top_k: many}", "retriever.top_k: Input should be a valid integer"),
         ("retriever: {type: faiss, top_k: 0}", "retriever.top_k"),
         ("server: {port: 70000}", "server.port"),
+        ("engine: {zero_prefill: {select: middle}}", "engine.zero_prefill.select: Input should be 'tail' or 'deviation'"),
         ("modle: {}", "modle: unknown key"),
         ("- a\n- b", "top level must be a mapping"),
         ("model: {name: [unclosed", "invalid YAML"),

@@ -112,18 +112,20 @@ def test_cache_variants_are_compared_with_rig(tok, tmp_path):
     cfg = RigConfig().updated(model={"max_tokens": 24}, rig={"retrieve_first": True, "max_query_tokens": 4,
                                                              "evidence_token_budget": 48})
     retriever = build_retriever(RetrieverConfig(), cache_dir=tmp_path / "cache", corpus=DOCS)
-    keys = plan(["rig", "rig-summary", "rig-zero-prefill"], [2])
+    keys = plan(["rig", "rig-summary", "rig-zero-prefill", "rig-zero-prefill-deviation"], [2])
     results = EvalRunner(cfg, model, tok, retriever, batch_size=2, progress=False).run(EXAMPLES, keys)
     data = write_outputs(tmp_path, results, keys, {"dataset": "tiny", "command": "test", "model": "tiny",
                                                    "examples": 3, "corpus": "3 documents"})
     runs = data["runs"]
-    assert list(runs) == ["rig@2", "rig-summary@2", "rig-zero-prefill@2"]
+    assert list(runs) == ["rig@2", "rig-summary@2", "rig-zero-prefill@2", "rig-zero-prefill-deviation@2"]
     assert data["variants_vs_rig"]["rig-zero-prefill@2"]["same_answers"] == 1.0
-    assert set(data["variants_vs_rig"]) == {"rig-summary@2", "rig-zero-prefill@2"}
+    assert data["variants_vs_rig"]["rig-zero-prefill-deviation@2"]["same_answers"] == 1.0
+    assert set(data["variants_vs_rig"]) == {"rig-summary@2", "rig-zero-prefill@2", "rig-zero-prefill-deviation@2"}
     assert runs["rig-summary@2"]["evidence_kept_per_question"] <= runs["rig@2"]["evidence_kept_per_question"]
     assert runs["rig@2"]["evidence_kept_per_question"] > 0 and runs["rig@2"]["splice_ms_per_hop"] > 0
-    zp = [st["info"]["zero_prefill"] for r in results[keys[2]]["records"] for st in r["trace"]["retrieval_steps"]]
-    assert zp and all(z["reused_tokens"] > 0 for z in zp)
+    for key, select in ((keys[2], "tail"), (keys[3], "deviation")):
+        zp = [st["info"]["zero_prefill"] for r in results[key]["records"] for st in r["trace"]["retrieval_steps"]]
+        assert zp and all(z["reused_tokens"] > 0 and z["select"] == select for z in zp)
     assert "rig-summary@2 vs rig" in (tmp_path / "report.md").read_text()
 
 

@@ -11,19 +11,20 @@ import torch
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_hf import HFModelRunner
 from rig_decode.evidence import EvidenceFormatter
+from rig_decode.kernels import rope_shift_, rotary_inv_freq
 from rig_decode.kernels.chunk_kv import ChunkKVStore
 from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.retrieval.base import Hit
 
-from .helpers import ForceScript, ScriptedRetriever, one_layer_model
+from .helpers import ForceScript, ScriptedRetriever, load_script, one_layer_model, tiny_model
 from .test_exactness import PROMPTS, _script
 from .test_summary import KeptRecorder
 
 
-def _run(model, tok, *, zero_prefill, recorder=None, recompute=0.1, engine=None):
+def _run(model, tok, *, zero_prefill, recorder=None, recompute=0.1, engine=None, select="tail"):
     vocab = MarkerVocab(tok, MarkerSpec.special_token())
     opts = EngineOptions(max_iterations=3, max_new_tokens=70, evidence_token_budget=64, top_k=2,
-                         zero_prefill=zero_prefill, zero_prefill_recompute=recompute)
+                         zero_prefill=zero_prefill, zero_prefill_recompute=recompute, zero_prefill_select=select)
     extra = ([recorder] if recorder else []) + [ForceScript(_script(vocab, tok.eos_token_id))]
     engine = engine or RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=extra)
     seqs = [engine.new_sequence(tok.encode(p), seq_id=i) for i, p in enumerate(PROMPTS)]
@@ -35,32 +36,35 @@ def one_layer(tok):
     return one_layer_model(len(tok), seed=2)
 
 
-def test_zero_prefill_is_exact_on_one_layer(one_layer, tok):
+@pytest.mark.parametrize("select", ["tail", "deviation"])
+def test_zero_prefill_is_exact_on_one_layer(one_layer, tok, select):
     rec = KeptRecorder()
-    zero, engine = _run(one_layer, tok, zero_prefill=True, recorder=rec)
+    zero, engine = _run(one_layer, tok, zero_prefill=True, recorder=rec, select=select, recompute=0.25)
     exact, _ = _run(one_layer, tok, zero_prefill=False)
     assert [s.trace.num_hops for s in zero] == [2, 1, 3]
     for s in zero:
         for st in s.trace.retrieval_steps:
             zp = st.info["zero_prefill"]
             assert zp["reused_tokens"] + zp["recomputed_tokens"] == st.evidence_tokens
-            assert zp["reused_tokens"] > 0 and zp["recomputed_tokens"] >= 1
+            assert zp["reused_tokens"] > 0 and zp["recomputed_tokens"] >= 1 and zp["select"] == select
     assert rec.worst_error(one_layer) <= 2e-4
     assert [s.token_ids for s in zero] == [s.token_ids for s in exact]
     assert engine.chunks.hits > 0  # the evidence head and tail recur on every hop
 
 
-def test_zero_prefill_on_a_deep_model_runs_and_reuses_pieces(model, tok):
-    seqs, engine = _run(model, tok, zero_prefill=True)
+@pytest.mark.parametrize("select", ["tail", "deviation"])
+def test_zero_prefill_on_a_deep_model_runs_and_reuses_pieces(deep, tok, select):
+    seqs, engine = _run(deep, tok, zero_prefill=True, select=select, recompute=0.3)
     assert [s.trace.num_hops for s in seqs][:2] == [2, 1]
     assert all(s.finish_reason in ("stop", "length") for s in seqs)
     misses = engine.chunks.misses
-    _run(model, tok, zero_prefill=True, engine=engine)  # same questions again: same pieces
+    _run(deep, tok, zero_prefill=True, engine=engine)  # same questions again: same pieces
     assert engine.chunks.misses - misses <= 3 and engine.chunks.hits > misses
 
 
-def test_full_recompute_stages_nothing(model, tok):
-    seqs, _ = _run(model, tok, zero_prefill=True, recompute=1.0)
+@pytest.mark.parametrize("select", ["tail", "deviation"])
+def test_full_recompute_stages_nothing(model, tok, select):
+    seqs, _ = _run(model, tok, zero_prefill=True, recompute=1.0, select=select)
     exact, _ = _run(model, tok, zero_prefill=False)
     assert [s.token_ids for s in seqs] == [s.token_ids for s in exact]
     assert all("zero_prefill" not in st.info for s in seqs for st in s.trace.retrieval_steps)
@@ -120,3 +124,96 @@ def test_bad_staged_kv_is_refused_before_anything_changes(model):
     with torch.no_grad():
         want = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits[0, -1].float()
     torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=1e-4)
+
+
+# -- CacheBlend's selection: the runner recomputes the most deviating staged tokens in place ------------
+
+
+@pytest.fixture(scope="module")
+def deep(tok):
+    return tiny_model(len(tok), seed=7, layers=4)  # deeper than the probe: its forward is stopped
+
+
+def _stage_case(model, gen):
+    context = torch.randint(3, 200, (23,), generator=gen).tolist()
+    block = torch.randint(3, 200, (19,), generator=gen).tolist()
+    return context, block, [4, 6, 5, 4]
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3, 1.0])
+def test_reselected_tokens_match_the_measured_variant(deep, share):
+    """The runner's selection gives the logits of ``bench/zero_prefill_select.py``'s
+    ``deviation@1`` variant (the harness the figures in docs come from); with every staged token
+    reselected, those of the exact splice."""
+    bench = load_script("bench/zero_prefill_select.py")
+    context, block, segments = _stage_case(deep, torch.Generator().manual_seed(1))
+    c, m = len(context), len(block)
+    store = ChunkKVStore(deep)
+    # The harness: context KV, the block's pieces rotated into place, deviations from the exact forward.
+    exact = HFModelRunner(deep, pad_id=0)
+    exact.prefill([context])
+    ctx_kv = [(layer.keys[:, :, :c].clone(), layer.values[:, :, :c].clone()) for layer in exact.cache.layers]
+    want_exact = exact.step([block])[0]
+    kv, shift = store.block_kv(block, segments, m)
+    inv = rotary_inv_freq(deep)
+    stored = []
+    for k, v in kv:
+        k = k.clone()
+        rope_shift_(k, torch.zeros(m, dtype=torch.long), torch.arange(m), shift + c, inv)
+        stored.append((k, v))
+    in_context = exact.cache.layers[1].values[:, :, c : c + m]
+    dev = ((stored[1][1] - in_context) ** 2).sum(dim=(0, 1, 3)) / (in_context**2).sum(dim=(0, 1, 3))
+    selected = bench.select("deviation@1", share, m, {"deviation@1": dev})
+    want, _ = bench.run_variant(deep, ctx_kv, stored, block, selected, [0])
+    # The runner: the marker's last token, then the block, all of it staged but its last token.
+    runner = HFModelRunner(deep, pad_id=0)
+    runner.prefill([context[:-1]])
+    staged = {0: store.block_kv(block, segments, m - 1)}
+    got = runner.step([[context[-1], *block]], staged=staged, reselect={0: len(selected) - 1})[0]
+    torch.testing.assert_close(got, want[0], atol=1e-4, rtol=1e-4)
+    if share == 1.0:
+        torch.testing.assert_close(got, want_exact, atol=1e-4, rtol=1e-4)
+    assert runner.lengths == [c + m] and runner.ends == [c + m]
+    # The row goes on decoding from there like the harness's.
+    nxt = int(got.argmax())
+    assert int(runner.step([[nxt]])[0].argmax()) == bench.run_variant(deep, ctx_kv, stored, block, selected,
+                                                                       [nxt, 0])[1][1]
+
+
+def test_bad_reselect_is_refused_before_anything_changes(deep):
+    runner = HFModelRunner(deep, pad_id=0)
+    runner.prefill([[5, 6, 7, 8]])
+    kv = ChunkKVStore(deep).block_kv([9, 10, 11], [3], 3)
+    for staged, reselect, message in (({0: kv}, {0: 4}, "reselects 4 tokens; it stages 3"),
+                                      ({0: kv}, {1: 1}, "row 1 reselects 1 tokens; it stages 0"),
+                                      (None, {0: 1}, "nothing is staged")):
+        with pytest.raises(ValueError, match=message):
+            runner.step([[9, 9, 10, 11, 12]], staged=staged, reselect=reselect)
+        assert (runner.lengths, runner.num_columns) == ([4], 4)
+
+
+@pytest.mark.parametrize("reselect_b", [0, 2])
+def test_reselect_in_a_batch_leaves_the_other_rows_exact(deep, reselect_b):
+    """A reselecting row beside a decoding row and a row staging with or without reselecting:
+    each row gets what it gets alone."""
+    gen = torch.Generator().manual_seed(3)
+    store = ChunkKVStore(deep)
+    (ctx_a, block_a, seg), (ctx_b, block_b, _) = _stage_case(deep, gen), _stage_case(deep, gen)
+    ctx_c = torch.randint(3, 200, (30,), generator=gen).tolist()
+
+    def alone(context, feed, staged=None, reselect=None):
+        runner = HFModelRunner(deep, pad_id=0)
+        runner.prefill([context])
+        return runner.step([feed], staged=staged, reselect=reselect)[0]
+
+    staged_a = store.block_kv(block_a, seg, len(block_a) - 1)
+    staged_b = store.block_kv(block_b, seg, len(block_b) - 1)
+    runner = HFModelRunner(deep, pad_id=0)
+    runner.prefill([ctx_a[:-1], ctx_b[:-1], ctx_c])
+    got = runner.step([[ctx_a[-1], *block_a], [ctx_b[-1], *block_b], [7]], staged={0: staged_a, 1: staged_b},
+                      reselect={0: 4, 1: reselect_b})
+    torch.testing.assert_close(got[0], alone(ctx_a[:-1], [ctx_a[-1], *block_a], {0: staged_a}, {0: 4}),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], alone(ctx_b[:-1], [ctx_b[-1], *block_b], {0: staged_b}, {0: reselect_b}),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[2], alone(ctx_c, [7]), atol=1e-4, rtol=1e-4)

@@ -88,7 +88,11 @@ class EngineOptions:
     """Splice evidence from per-piece KV computed once, alone (``kernels/chunk_kv.py``), recomputing
     only the block's tail: an approximation of the exact splice (off by default)."""
     zero_prefill_recompute: float = 0.1
-    """Share of each block's tokens (its end, at least one) recomputed with full attention."""
+    """Share of each block's tokens (at least its last one) recomputed with full attention."""
+    zero_prefill_select: str = "tail"
+    """Which tokens are recomputed: ``tail``, the block's last ones; ``deviation``, its last one and
+    those whose layer-1 values, computed in context, differ most from the reused ones (CacheBlend;
+    costs a two-layer pass over the block)."""
     chunk_store_bytes: int = 256 << 20
     reuse_similarity: float | None = None
     """A hop whose query is at least this similar to an earlier one (this answer's, or the
@@ -116,6 +120,8 @@ class RigEngine:
                 raise ValueError("zero_prefill copies precomputed KV into the cache: it needs the in-process (hf) backend")
             if not 0.0 <= options.zero_prefill_recompute <= 1.0:
                 raise ValueError(f"zero_prefill_recompute must be in [0, 1], got {options.zero_prefill_recompute}")
+            if options.zero_prefill_select not in ("tail", "deviation"):
+                raise ValueError(f"zero_prefill_select must be tail or deviation, got {options.zero_prefill_select!r}")
             self.chunks = ChunkKVStore(model, options.chunk_store_bytes)
         if options.append_format == "summary" and not hasattr(self.runner, "evict"):
             raise ValueError(f"append_format: summary drops evidence from the KV cache, which "
@@ -222,10 +228,14 @@ class RigEngine:
         spliced = {s.seq_id for s in rows if s.has_evidence_pending}
         staged = {i: self.running[i].staged_kv for i in ready if self.running[i].staged_kv is not None}
         feed = [s.pending if s.status is RUNNING else [] for s in self.running]
-        logits = self.runner.step(feed, staged=staged) if staged else self.runner.step(feed)
+        if staged:
+            reselect = {i: self.running[i].staged_reselect for i in staged}
+            logits = self.runner.step(feed, staged=staged, reselect=reselect)
+        else:
+            logits = self.runner.step(feed)
         for s in rows:
             s.pending.clear()
-            s.staged_kv = None
+            s.staged_kv, s.staged_reselect = None, 0
         tokens, forced = self._sample(rows, logits[ready])
         done = time.perf_counter()
         dt_ms = (done - t0) * 1e3
@@ -420,14 +430,19 @@ class RigEngine:
         s.evidence_spans.append((len(s.token_ids), len(s.token_ids) + len(block.token_ids)))
         if self.chunks is not None and not self.opts.reprefill:
             n = len(block.token_ids)
-            count = n - max(1, math.ceil(self.opts.zero_prefill_recompute * n))
+            recompute = max(1, math.ceil(self.opts.zero_prefill_recompute * n))
+            # tail: the first tokens are reused, the rest fed; deviation: all but the last reused,
+            # and the most deviating of them recomputed in place (the runner picks them).
+            count = n - recompute if self.opts.zero_prefill_select == "tail" or recompute == n else n - 1
             if count > 0:
                 hits, t0 = self.chunks.hits, time.perf_counter()
                 s.staged_kv = self.chunks.block_kv(block.token_ids, block.segments, count)
+                s.staged_reselect = recompute - (n - count)
                 kv_ms = (time.perf_counter() - t0) * 1e3  # pieces computed on a miss: part of the hop
                 step.splice_ms += kv_ms
                 s.trace.splice_ms += kv_ms
-                step.info["zero_prefill"] = {"reused_tokens": count, "recomputed_tokens": n - count,
+                step.info["zero_prefill"] = {"reused_tokens": n - recompute, "recomputed_tokens": recompute,
+                                             "select": self.opts.zero_prefill_select,
                                              "piece_hits": self.chunks.hits - hits, "kv_ms": round(kv_ms, 3)}
         s.append(block.token_ids, sampled=False)
         s.status, s.query = RUNNING, None

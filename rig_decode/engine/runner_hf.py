@@ -42,7 +42,9 @@ summary`` (an evidence block is dropped once the model has written past it).
 A row can also take precomputed KV (``step(..., staged=)``, zero-prefill evidence, see
 ``kernels/chunk_kv.py``): its first pending token (the marker's last) is fed, then the staged
 columns are copied in with their keys rotated to the positions that follow, then its remaining
-pending tokens are fed after them. Nothing of the staged tokens goes through the model.
+pending tokens are fed after them. Nothing of the staged tokens goes through the model, unless
+``reselect`` asks for CacheBlend's selective recompute (``_select_deviating``): the staged tokens
+that deviate most from their in-context KV are recomputed in place, at their own columns.
 
 Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
 it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
@@ -319,8 +321,17 @@ def new_cache(config, max_slots: int | None = None) -> DynamicCache:
     return cache
 
 
+class _ProbeDone(Exception):
+    """Stops a forward after the layers a probe needs (``HFModelRunner._select_deviating``)."""
+
+
+def _stop_probe(module, args):
+    raise _ProbeDone
+
+
 class HFModelRunner:
     MIN_SHARED_PREFIX = 16
+    PROBE_LAYERS = 2  # layers a CacheBlend probe runs: layer 1 is the first whose KV depends on the context
     COMPACT_AT = 0.25  # compact once this share of the columns lies beyond the longest row's length
 
     def __init__(self, model, pad_id: int, max_slots: int | None = None):
@@ -466,16 +477,21 @@ class HFModelRunner:
     # -- stepping -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]] | None = None) -> torch.Tensor:
+    def step(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]] | None = None,
+             reselect: dict[int, int] | None = None) -> torch.Tensor:
         """Feed each row its tokens (a row may feed none); fp32 logits ``[B, vocab]`` after each
         row's last token (rows that fed nothing get meaningless logits).
 
         ``staged``: row -> (per-layer ``(keys, values)`` ``[1, kv_heads, n, head_dim]`` at
         piece-local positions, per-column shift ``[n]``) standing for that row's pending tokens
-        ``1 .. n`` (``ChunkKVStore.block_kv``); the row must have at least one token after them."""
+        ``1 .. n`` (``ChunkKVStore.block_kv``); the row must have at least one token after them.
+        ``reselect``: staged row -> how many of its staged tokens to recompute with full attention,
+        chosen as CacheBlend does (``_select_deviating``)."""
         assert self.cache is not None and len(rows) == self.batch_size, "rows must match the batch"
         if staged:
-            return self._step_staged(rows, staged)
+            return self._step_staged(rows, staged, reselect or {})
+        if reselect:
+            raise ValueError("reselect names staged tokens, but nothing is staged")
         lens = [len(r) for r in rows]
         if not any(lens):
             raise ValueError("no row has anything to feed")
@@ -499,10 +515,19 @@ class HFModelRunner:
                                        layer.values[row : row + 1, :, :n].clone()) for layer in layers])
         self._capture.clear()
 
-    def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]]) -> torch.Tensor:
+    def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]],
+                     reselect: dict[int, int]) -> torch.Tensor:
         widths = {i: self._check_staged(i, kv, shift, rows) for i, (kv, shift) in staged.items()}
+        for i, k in reselect.items():
+            if i not in widths or not 0 <= k <= widths[i]:
+                raise ValueError(f"row {i} reselects {k} tokens; it stages {widths.get(i, 0)}")
+        reselect = {i: k for i, k in reselect.items() if k}
         logits = self.step([r[:1] for r in rows])
-        self._append_staged(staged, widths)
+        plain = {i: kv for i, kv in staged.items() if i not in reselect}
+        if plain:
+            self._append_staged(plain, widths)
+        if reselect:
+            self._select_deviating(rows, {i: staged[i] for i in reselect}, widths, reselect)
         rest = [r[1 + widths.get(i, 0):] for i, r in enumerate(rows)]
         long = [i for i, r in enumerate(rest) if r]
         if long:
@@ -534,23 +559,69 @@ class HFModelRunner:
                              "before them and at least one after")
         return n
 
-    def _append_staged(self, staged, widths: dict[int, int]) -> None:
+    def _select_deviating(self, rows: list[list[int]], staged, widths: dict[int, int],
+                          reselect: dict[int, int]) -> None:
+        """CacheBlend's selective recompute. The staged tokens go through the model's first
+        ``PROBE_LAYERS`` layers over the row's context (the forward stops there): layer 1 is the
+        first whose KV depends on what precedes a token. Then every layer gets the staged KV, and
+        the ``reselect[i]`` tokens whose layer-1 values differ most from the staged ones are
+        recomputed through the whole model, in place, each attending by position to the staged KV
+        before it and the fresh KV of the others recomputed (``bench/zero_prefill_select.py``
+        measures what this restores)."""
+        probe = [rows[i][1 : 1 + widths[i]] if i in staged else [] for i in range(self.batch_size)]
+        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.model).__name__} has no model.layers: cannot stop a forward at layer 1")
+        stop = (layers[self.PROBE_LAYERS].register_forward_pre_hook(_stop_probe)
+                if len(layers) > self.PROBE_LAYERS else None)
+        try:
+            self.step(probe)
+        except _ProbeDone:
+            pass
+        finally:
+            if stop is not None:
+                stop.remove()
+        at = {i: (self.ends[i] - widths[i], self.lengths[i] - widths[i]) for i in staged}  # first column, position
+        probed = min(1, len(self.cache.layers) - 1)
+        fresh = self.cache.layers[probed].values
+        top = []
+        for i, k in reselect.items():
+            col = at[i][0]
+            in_context = fresh[i, :, col : col + widths[i]].float()  # [kv_heads, n, head_dim]
+            reused = staged[i][0][probed][1][0].to(in_context.device, torch.float32)
+            deviation = (((reused - in_context) ** 2).sum(dim=(0, 2))
+                         / (in_context**2).sum(dim=(0, 2)).clamp_min(1e-12))  # relative, per token
+            top.append(deviation.topk(k).indices)
+        top = torch.cat(top).tolist()  # one device sync for the hop
+        chosen, start = {}, 0
+        for i, k in reselect.items():
+            chosen[i], start = sorted(top[start : start + k]), start + k
+        self._append_staged(staged, widths, at)
+        feed = [[rows[i][1 + j] for j in chosen[i]] if i in chosen else [] for i in range(self.batch_size)]
+        self._forward_packed(feed, at={i: ([at[i][0] + j for j in js], [at[i][1] + j for j in js])
+                                       for i, js in chosen.items()})
+
+    def _append_staged(self, staged, widths: dict[int, int], at: dict[int, tuple[int, int]] | None = None) -> None:
         """Copy staged KV into each staged row's next columns, keys rotated from piece-local
-        positions to the row's next positions."""
+        positions to the row's next positions; or, with ``at`` (row -> first column and position),
+        over columns the row already holds."""
+        widths = {i: widths[i] for i in staged}
         rows_idx, cols_idx, shift = [], [], []
         for i, (_, local) in staged.items():
-            n, end = widths[i], self.ends[i]
+            n = widths[i]
+            end, length = at[i] if at else (self.ends[i], self.lengths[i])
             rows_idx.append(torch.full((n,), i, dtype=torch.long))
             cols_idx.append(torch.arange(end, end + n))
-            shift.append(local.float().cpu() + self.lengths[i])  # ChunkKVStore's shifts are on the host already
+            shift.append(local.float().cpu() + length)  # ChunkKVStore's shifts are on the host already
         # rope_shift_layers_ bounds-checks host indices without a device sync; layer.write needs them on the device.
         rows_idx, cols_idx, shift = torch.cat(rows_idx), torch.cat(cols_idx), torch.cat(shift)
         rows_dev, cols_dev = self._upload(rows_idx), self._upload(cols_idx)
-        width = max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
+        width = self.num_columns if at else max(self.num_columns, *(self.ends[i] + n for i, n in widths.items()))
         for li, layer in enumerate(self.cache.layers):
             keys, values = ([kv[li][part][0].transpose(0, 1) for kv, _ in staged.values()] for part in (0, 1))
             layer.write(rows_dev, cols_dev, torch.cat(keys).to(self.device), torch.cat(values).to(self.device), width)
-        self._mark_written(widths, width)
+        if not at:
+            self._mark_written(widths, width)
         rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
                            self._rope_inv_freq())
 
@@ -585,20 +656,30 @@ class HFModelRunner:
                          position_ids=self._upload(pos), cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
-    def _forward_packed(self, rows: list[list[int]]) -> torch.Tensor:
+    def _forward_packed(self, rows: list[list[int]], at: dict[int, tuple[list[int], list[int]]] | None = None
+                        ) -> torch.Tensor:
         """Every fed token in one sequence ``[1, T]``, written at its row's next columns: one-token
         rows, evidence splices and new prompts in a single forward, parked rows costing nothing.
-        Attention runs per row (``packed_attention``), so each token sees its own row only."""
+        Attention runs per row (``packed_attention``), so each token sees its own row only.
+
+        ``at``: row -> (columns, positions) of tokens the row already holds, recomputed in place
+        (each attends to its row's columns up to its own)."""
         fed = [i for i, r in enumerate(rows) if r]
         counts = [len(rows[i]) for i in fed]
         starts = [sum(counts[:j]) for j in range(len(fed))]
         ids = self._upload(torch.tensor([[t for i in fed for t in rows[i]]]))
-        pos = torch.cat([torch.arange(self.lengths[i], self.lengths[i] + n) for i, n in zip(fed, counts)])
-        cols = self._upload(torch.cat([torch.arange(self.ends[i], self.ends[i] + n) for i, n in zip(fed, counts)]))
+        if at is None:
+            pos = torch.cat([torch.arange(self.lengths[i], self.lengths[i] + n) for i, n in zip(fed, counts)])
+            cols = torch.cat([torch.arange(self.ends[i], self.ends[i] + n) for i, n in zip(fed, counts)])
+            width = max(self.num_columns, *(self.ends[i] + n for i, n in zip(fed, counts)))
+            self._mark_written(dict(zip(fed, counts)), width)
+        else:
+            pos = torch.tensor([p for i in fed for p in at[i][1]])
+            cols = torch.tensor([c for i in fed for c in at[i][0]])
+            width = self.num_columns
+        cols = self._upload(cols)
         row_of = self._upload(torch.repeat_interleave(torch.tensor(fed), torch.tensor(counts)))
-        width = max(self.num_columns, *(self.ends[i] + n for i, n in zip(fed, counts)))
-        self._mark_written(dict(zip(fed, counts)), width)
-        plan = self._packed_plan(fed, counts, starts, cols)
+        plan = self._packed_plan(fed, counts, starts, cols, in_place=at is not None)
         for layer in self.cache.layers:
             layer.scatter = (row_of, cols, width)
         try:
@@ -616,9 +697,11 @@ class HFModelRunner:
         full[fed] = logits
         return full
 
-    def _packed_plan(self, fed: list[int], counts: list[int], starts: list[int], cols: torch.Tensor) -> PackedStep:
+    def _packed_plan(self, fed: list[int], counts: list[int], starts: list[int], cols: torch.Tensor,
+                     in_place: bool = False) -> PackedStep:
         """The masks of a packed step (the new tokens already marked in ``attn``): a one-token row
-        sees its real columns; token ``j`` of a longer row sees its row's real columns up to its own."""
+        sees its real columns; token ``j`` of a longer row sees its row's real columns up to its own.
+        ``in_place`` (tokens recomputed among columns the row holds): every row as a longer one."""
         attend, additive = _model_attention(self.model)
 
         def mask(m: torch.Tensor) -> torch.Tensor:
@@ -629,9 +712,10 @@ class HFModelRunner:
 
         real = self.attn.bool()
         column = torch.arange(self.num_columns, device=self.device)
-        singles = [(i, s) for i, n, s in zip(fed, counts, starts) if n == 1]
+        single = 0 if in_place else 1
+        singles = [(i, s) for i, n, s in zip(fed, counts, starts) if n == single]
         spans = [(i, s, n, mask((real[i] & (column <= cols[s : s + n, None]))[None, None]))
-                 for i, n, s in zip(fed, counts, starts) if n > 1]
+                 for i, n, s in zip(fed, counts, starts) if n != single]
         if not singles:
             return PackedStep(attend, self.batch_size, None, None, None, spans)
         single_rows = [i for i, _ in singles]

@@ -64,6 +64,8 @@ class Sequence:
     """``token_ids`` spans the cache dropped, in order."""
     staged_kv: tuple | None = None
     """Precomputed KV for the pending evidence (zero-prefill), consumed by the next step."""
+    staged_reselect: int = 0
+    """How many of the staged tokens the runner recomputes, chosen by deviation (CacheBlend)."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

@@ -9,6 +9,8 @@ Methods:
                  from the cache (the model's own text after them stays)
   rig-zero-prefill  rig with zero-prefill evidence: per-piece KV computed alone and reused, only
                  each block's tail recomputed (``kernels/chunk_kv.py``)
+  rig-zero-prefill-deviation  the same, recomputing the tokens whose KV deviates most instead of
+                 the tail (CacheBlend's selection; ``engine.zero_prefill.select: deviation``)
 
 The rig methods run per ``max_iterations`` value; ``none`` and ``rag`` once. All
 questions are queued at once and the engine keeps ``batch_size`` of them decoding (continuous
@@ -34,9 +36,10 @@ from ..trace import RetrievalStep, RetrievedDoc, Trace
 from . import metrics as M
 from .datasets import EvalExample
 
-METHODS = ("none", "rag", "rig", "rig-reprefill", "rig-summary", "rig-zero-prefill")
+METHODS = ("none", "rag", "rig", "rig-reprefill", "rig-summary", "rig-zero-prefill", "rig-zero-prefill-deviation")
 VARIANTS = {"rig-reprefill": dict(reprefill=True), "rig-summary": dict(append_format="summary"),
-            "rig-zero-prefill": dict(zero_prefill=True)}
+            "rig-zero-prefill": dict(zero_prefill=True, zero_prefill_select="tail"),
+            "rig-zero-prefill-deviation": dict(zero_prefill=True, zero_prefill_select="deviation")}
 """What each rig variant changes in the engine's options."""
 PLAIN_SYSTEM = "Answer the question in one short sentence."
 RAG_SYSTEM = "Answer the question in one short sentence, using the evidence given with it."
