@@ -185,6 +185,7 @@ def test_bad_reselect_is_refused_before_anything_changes(deep):
     runner.prefill([[5, 6, 7, 8]])
     kv = ChunkKVStore(deep).block_kv([9, 10, 11], [3], 3)
     for staged, reselect, message in (({0: kv}, {0: 4}, "reselects 4 tokens; it stages 3"),
+                                      ({0: kv}, {0: 1.5}, "reselects 1.5 tokens"),
                                       ({0: kv}, {1: 1}, "row 1 reselects 1 tokens; it stages 0"),
                                       (None, {0: 1}, "nothing is staged")):
         with pytest.raises(ValueError, match=message):
@@ -217,3 +218,20 @@ def test_reselect_in_a_batch_leaves_the_other_rows_exact(deep, reselect_b):
     torch.testing.assert_close(got[1], alone(ctx_b[:-1], [ctx_b[-1], *block_b], {0: staged_b}, {0: reselect_b}),
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[2], alone(ctx_c, [7]), atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_joining_beside_a_staged_row_becomes_the_cached_prefix(deep):
+    """The staged step runs in several forwards; a lone joining row's prompt is captured as the
+    cached prefix once it is whole in the cache, after the last of them."""
+    gen = torch.Generator().manual_seed(4)
+    context, block, seg = _stage_case(deep, gen)
+    prompt = torch.randint(3, 200, (20,), generator=gen).tolist()
+    runner = HFModelRunner(deep, pad_id=0)
+    runner.prefill([context[:-1]])
+    runner.add_rows([prompt])
+    staged = {0: ChunkKVStore(deep).block_kv(block, seg, len(block) - 1)}
+    got = runner.step([[context[-1], *block], prompt], staged=staged, reselect={0: 3})
+    assert runner._prefix[0] == prompt
+    with torch.no_grad():
+        want = deep(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    torch.testing.assert_close(got[1], want, atol=1e-4, rtol=1e-4)

@@ -519,20 +519,31 @@ class HFModelRunner:
                      reselect: dict[int, int]) -> torch.Tensor:
         widths = {i: self._check_staged(i, kv, shift, rows) for i, (kv, shift) in staged.items()}
         for i, k in reselect.items():
-            if i not in widths or not 0 <= k <= widths[i]:
-                raise ValueError(f"row {i} reselects {k} tokens; it stages {widths.get(i, 0)}")
+            if i not in widths or not isinstance(k, int) or not 0 <= k <= widths[i]:
+                raise ValueError(f"row {i} reselects {k!r} tokens; it stages {widths.get(i, 0)}")
         reselect = {i: k for i, k in reselect.items() if k}
+        if reselect:
+            self._decoder_layers()  # checked before anything is fed
+        # A joining row's prompt is whole in the cache only after the last of the steps below.
+        capture, self._capture = self._capture, {}
         logits = self.step([r[:1] for r in rows])
         plain = {i: kv for i, kv in staged.items() if i not in reselect}
         if plain:
             self._append_staged(plain, widths)
         if reselect:
             self._select_deviating(rows, {i: staged[i] for i in reselect}, widths, reselect)
+        self._capture = capture
         rest = [r[1 + widths.get(i, 0):] for i, r in enumerate(rows)]
-        long = [i for i, r in enumerate(rest) if r]
-        if long:
-            logits[long] = self.step(rest)[long]
+        long = [i for i, r in enumerate(rest) if r]  # every staged row: it feeds a token after them
+        logits[long] = self.step(rest)[long]
         return logits
+
+    def _decoder_layers(self):
+        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.model).__name__} has no model.layers: CacheBlend's probe cannot stop "
+                             "its forward at layer 2")
+        return layers
 
     def _check_staged(self, row: int, kv: list, shift: torch.Tensor, rows: list[list[int]]) -> int:
         """The number of tokens row ``row`` stages, once its KV and shifts fit the cache and the
@@ -569,9 +580,7 @@ class HFModelRunner:
         before it and the fresh KV of the others recomputed (``bench/zero_prefill_select.py``
         measures what this restores)."""
         probe = [rows[i][1 : 1 + widths[i]] if i in staged else [] for i in range(self.batch_size)]
-        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
-        if layers is None:
-            raise ValueError(f"{type(self.model).__name__} has no model.layers: cannot stop a forward at layer 1")
+        layers = self._decoder_layers()
         stop = (layers[self.PROBE_LAYERS].register_forward_pre_hook(_stop_probe)
                 if len(layers) > self.PROBE_LAYERS else None)
         try:
