@@ -14,8 +14,9 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
    scratch (what string-based RIG systems do), in ms, and their ratio; and the KV buffers the
    row holds then (spare columns included) beside its tokens' own KV;
 4. the zero-prefill splice of the same hop: the block's KV assembled from a warm ``ChunkKVStore``
-   (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed; for both kinds of
-   hop, the device syncs torch reports during one (CUDA only: where the host waits for the GPU);
+   (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed, or the tokens
+   CacheBlend would choose (``reselect=``, ``engine.zero_prefill.select: deviation``); for every
+   kind of hop, the device syncs torch reports during one (CUDA only: where the host waits for the GPU);
 5. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row;
 6. search: top-10 for 8 queries over 1M normalized 384-d vectors (FAISS on the GPU when the
    installed faiss has GPU support, else a matmul + ``torch.topk`` on the device);
@@ -286,28 +287,32 @@ class Bench:
         r.add("hop", f"re-prefill / splice, {context} ctx", again / splice, "x", "reprefill_over_splice", context)
 
     def zero_prefill(self, runner: HFModelRunner, new: list[int], context: int, undo) -> None:
-        """The same hop from a warm ``ChunkKVStore``: the block's pieces were computed before."""
+        """The same hop from a warm ``ChunkKVStore`` (the block's pieces were computed before), with
+        the engine's share recomputed: the block's tail, then CacheBlend's choice of tokens
+        (``select: deviation``: a two-layer probe, the chosen tokens recomputed in place)."""
         block = new[1:]
-        # Same count as the engine: the block's tail (its share, at least one token) is recomputed.
-        count = len(block) - max(1, math.ceil(EngineOptions().zero_prefill_recompute * len(block)))
-        store, segments = ChunkKVStore(self.model), evidence_segments(len(block))
-        store.block_kv(block, segments, count)
+        n = len(block)
+        recompute = max(1, math.ceil(EngineOptions().zero_prefill_recompute * n))  # as the engine counts
+        store, segments = ChunkKVStore(self.model), evidence_segments(n)
+        for select, count, reselect in (("tail", n - recompute, 0), ("deviation", n - 1, recompute - 1)):
+            store.block_kv(block, segments, count)
+            key = "zero_prefill" if select == "tail" else "zero_prefill_deviation"
 
-        def hop():
-            kv, shifts = store.block_kv(block, segments, count)
-            runner.step([new], staged={0: (kv, shifts)})
+            def hop():
+                kv, shifts = store.block_kv(block, segments, count)
+                runner.step([new], staged={0: (kv, shifts)}, reselect={0: reselect})
 
-        metric = f"splice, {context} ctx"
-        try:
-            ms = self.clock.median_ms(hop, self.shapes.repeats, reset=undo)
-        except torch.cuda.OutOfMemoryError as e:  # report it, and go on to the re-prefill
-            self.oom = True
-            self.report.missing("zero-prefill", metric, "zero_prefill_ms", f"out of memory under the cap: "
-                                f"{str(e).splitlines()[0]}", context)
-            return
-        self.report.add("zero-prefill", metric, ms, f"ms ({count} of {len(block)} tokens reused)", "zero_prefill_ms",
-                        context)
-        self.syncs("zero-prefill", hop, undo, "zero_prefill_syncs", context)
+            metric = f"{'splice' if select == 'tail' else 'deviation splice'}, {context} ctx"
+            try:
+                ms = self.clock.median_ms(hop, self.shapes.repeats, reset=undo)
+            except torch.cuda.OutOfMemoryError as e:  # report it, and go on to the re-prefill
+                self.oom = True
+                self.report.missing("zero-prefill", metric, f"{key}_ms", f"out of memory under the cap: "
+                                    f"{str(e).splitlines()[0]}", context)
+                return
+            self.report.add("zero-prefill", metric, ms, f"ms ({n - recompute} of {n} tokens reused)", f"{key}_ms",
+                            context)
+            self.syncs("zero-prefill", hop, undo, f"{key}_syncs", context)
 
     def syncs(self, section: str, hop, undo, key: str, context: int) -> None:
         """The device syncs in one hop: where its host side waits for the GPU (a hop has to read its

@@ -28,7 +28,8 @@ def _check(proc: subprocess.CompletedProcess) -> dict:
     assert contexts == ["256", "512"]
     assert set(result["decode_tok_s"]) == {"1", "8"}
     assert all(_positive(v) for v in result["decode_tok_s"].values())
-    for key in ("splice_ms", "reprefill_ms", "reprefill_over_splice", "zero_prefill_ms", "evidence_prefill_tok_s"):
+    for key in ("splice_ms", "reprefill_ms", "reprefill_over_splice", "zero_prefill_ms", "zero_prefill_deviation_ms",
+                "evidence_prefill_tok_s"):
         assert set(result[key]) == set(contexts), key
         assert all(_positive(v) for v in result[key].values()), (key, result[key])
     for key in ("evict_ms", "search_ms", "weights_gb", "index_gb", "kv_bytes_per_token", "planned_max_kv_tokens",
