@@ -310,6 +310,10 @@ class Bench:
                 self.report.missing("zero-prefill", metric, f"{key}_ms", f"out of memory under the cap: "
                                     f"{str(e).splitlines()[0]}", context)
                 return
+            except Exception as e:  # noqa: BLE001 - the hop's re-prefill rows still follow (the row is dropped)
+                traceback.print_exc(file=sys.stderr)
+                self.report.missing("zero-prefill", metric, f"{key}_ms", f"failed: {type(e).__name__}: {e}", context)
+                return
             self.report.add("zero-prefill", metric, ms, f"ms ({n - recompute} of {n} tokens reused)", f"{key}_ms",
                             context)
             self.syncs("zero-prefill", hop, undo, f"{key}_syncs", context)
