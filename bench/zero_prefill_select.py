@@ -30,8 +30,10 @@ Per variant: agreement of the greedy next token with the exact splice's along it
 greedy continuations identical to the exact one, and the share containing the gold answer.
 
     python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
+                                        [--plot PNG]
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line; ``--plot`` also draws the identical answers and the extra NLL
+against the share recomputed, one line per selection.
 """
 
 from __future__ import annotations
@@ -188,17 +190,18 @@ def main(argv=None) -> int:
     ap.add_argument("--shares", default="0.1,0.25,0.5")
     ap.add_argument("--gold", choices=("first", "random"), default="first",
                     help="where the gold document sits in the block: first (as retrieval ranks it) or anywhere")
+    ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)
     shares = [float(x) for x in args.shares.split(",")]
     torch.manual_seed(0)
     model, tok = load_model(ModelConfig())
-    return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first")
+    return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot)
 
 
 @torch.no_grad()
 def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
-           spec: MarkerSpec | None = None) -> int:
+           spec: MarkerSpec | None = None, plot_path: str | None = None) -> int:
     spec = spec or MarkerSpec.special_token()
     t0 = time.perf_counter()
     cases = make_cases(tok, examples, gold_first=gold_first)
@@ -266,10 +269,37 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     for name, r in rows.items():
         print(f"| {name} | {r['recomputed_pct']:.1f}% | {r['top1_agreement_pct']:.1f}% | "
               f"{r['extra_nll_per_token']:.3f} | {r['identical_pct']:.1f}% | {r['gold_answer_pct']:.1f}% |")
+    if plot_path:
+        plot(rows, shares, rules, plot_path, f"{n} held-out 1-hop questions, gold document "
+             f"{'first' if gold_first else 'anywhere'}; exact splice: {100 * exact_gold / n:.0f}% right")
     print(json.dumps({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
                       "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
                       "elapsed_s": round(time.perf_counter() - t0, 1)}))
     return 0
+
+
+def plot(rows: dict[str, dict], shares: list[float], rules: tuple[str, ...], path: str, title: str) -> None:
+    """Identical answers and extra NLL against the share recomputed, one line per selection, from
+    ``none`` (the last token only) to ``all`` (the exact splice)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (same, nll) = plt.subplots(1, 2, figsize=(10, 4))
+    for rule, style in zip(rules, ("o-", "s-", "^--")):
+        points = [rows["none@0"], *(rows[f"{rule}@{s:g}"] for s in shares), rows["all@1"]]
+        x = [p["recomputed_pct"] for p in points]
+        same.plot(x, [p["identical_pct"] for p in points], style, label=rule)
+        nll.plot(x, [p["extra_nll_per_token"] for p in points], style, label=rule)
+    same.set(xlabel="share of the block recomputed (%)", ylabel="answers identical to the exact splice (%)")
+    nll.set(xlabel="share of the block recomputed (%)", ylabel="extra NLL of the exact answer (nats / token)")
+    same.legend()
+    nll.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 @torch.no_grad()

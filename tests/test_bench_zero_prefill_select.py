@@ -12,8 +12,8 @@ from .helpers import load_script, one_layer_model, tiny_model
 bench = load_script("bench/zero_prefill_select.py")
 
 
-def _report(model, tok, capsys) -> dict:
-    assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6) == 0
+def _report(model, tok, capsys, plot_path=None) -> dict:
+    assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6, plot_path=plot_path) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[2].startswith("| recompute |")
     result = json.loads(lines[-1])
@@ -21,8 +21,9 @@ def _report(model, tok, capsys) -> dict:
     return result["variants"]
 
 
-def test_recomputing_every_token_is_the_exact_splice(tok_special, capsys):
-    variants = _report(tiny_model(len(tok_special), seed=3), tok_special, capsys)
+def test_recomputing_every_token_is_the_exact_splice(tok_special, capsys, tmp_path):
+    variants = _report(tiny_model(len(tok_special), seed=3), tok_special, capsys, plot_path=str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(variants) == {"none@0", "all@1", *(f"{r}@{s}" for s in (0.25, 0.5)
                                                   for r in ("tail", "deviation@1", "deviation@all"))}
     exact = variants["all@1"]
