@@ -20,7 +20,9 @@ share ``r`` of the block's tokens:
 * ``deviation@1``: the tokens whose layer-1 values differ most from their in-context values
   (CacheBlend: layer 0's KV does not depend on the context, layer 1's is the first that does; in
   a system this costs one layer of the block's prefill, here it is read from the exact forward);
-* ``deviation@all``: the same over every layer's values, an oracle no system has before computing.
+* ``deviation@all``: the same over every layer's values, an oracle no system has before computing;
+* ``deviation@L`` for each ``--probe-layers`` layer ``L`` other than 1: the same at layer ``L`` (a
+  system would run ``L + 1`` layers over the block to find them).
 
 ``none`` masks the whole block out but its last token (no evidence: the floor); ``all`` recomputes
 every token, which must reproduce the exact splice (the harness's own check).
@@ -30,7 +32,7 @@ Per variant: agreement of the greedy next token with the exact splice's along it
 greedy continuations identical to the exact one, and the share containing the gold answer.
 
     python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
-                                        [--plot PNG]
+                                        [--probe-layers 1] [--plot PNG]
 
 Prints a table, then one JSON line; ``--plot`` also draws the identical answers and the extra NLL
 against the share recomputed, one line per selection.
@@ -190,18 +192,24 @@ def main(argv=None) -> int:
     ap.add_argument("--shares", default="0.1,0.25,0.5")
     ap.add_argument("--gold", choices=("first", "random"), default="first",
                     help="where the gold document sits in the block: first (as retrieval ranks it) or anywhere")
+    ap.add_argument("--probe-layers", default="1", help="layers whose value deviation selects (deviation@L)")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)
     shares = [float(x) for x in args.shares.split(",")]
     torch.manual_seed(0)
     model, tok = load_model(ModelConfig())
-    return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot)
+    probe = tuple(int(x) for x in args.probe_layers.split(","))
+    return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot,
+                  probe_layers=probe)
 
 
 @torch.no_grad()
 def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
-           spec: MarkerSpec | None = None, plot_path: str | None = None) -> int:
+           spec: MarkerSpec | None = None, plot_path: str | None = None, probe_layers: tuple[int, ...] = (1,)) -> int:
+    depth = model.config.num_hidden_layers
+    if any(not 0 <= L < depth for L in probe_layers):
+        raise ValueError(f"--probe-layers {list(probe_layers)}: the model has layers 0..{depth - 1}")
     spec = spec or MarkerSpec.special_token()
     t0 = time.perf_counter()
     cases = make_cases(tok, examples, gold_first=gold_first)
@@ -209,7 +217,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     inv_freq = rotary_inv_freq(model)
     store = ChunkKVStore(model, max_bytes=1 << 30)
     stop = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t not in (None, tok.unk_token_id)}
-    rules = ("tail", "deviation@1", "deviation@all")
+    rules = ("tail", *(f"deviation@{L}" for L in probe_layers), "deviation@all")
     variants = [("none", 0.0), *((r, s) for s in shares for r in rules), ("all", 1.0)]
     stats = {v: {"agree": 0, "nll": 0.0, "same": 0, "gold": 0, "recomputed": 0} for v in variants}
     exact_gold = predicted = 0
@@ -238,7 +246,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
             stored.append((k, v))
         dev = torch.stack([((v - ref) ** 2).sum(dim=(0, 1, 3)) / (ref ** 2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
                            for (_, v), ref in zip(stored, in_context)])  # [layers, m]
-        deviation = {"deviation@1": dev[min(1, len(dev) - 1)], "deviation@all": dev.sum(0)}
+        deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}
         target = torch.tensor(cont)
         ref_lp = exact_tf.log_softmax(-1)[torch.arange(len(cont)), target]
         for rule, share in variants:
@@ -287,7 +295,8 @@ def plot(rows: dict[str, dict], shares: list[float], rules: tuple[str, ...], pat
     import matplotlib.pyplot as plt
 
     fig, (same, nll) = plt.subplots(1, 2, figsize=(10, 4))
-    for rule, style in zip(rules, ("o-", "s-", "^--")):
+    for i, rule in enumerate(rules):
+        style = "o-" if rule == "tail" else "^--" if rule == "deviation@all" else f"{'sDvP*'[i % 5]}-"
         points = [rows["none@0"], *(rows[f"{rule}@{s:g}"] for s in shares), rows["all@1"]]
         x = [p["recomputed_pct"] for p in points]
         same.plot(x, [p["identical_pct"] for p in points], style, label=rule)

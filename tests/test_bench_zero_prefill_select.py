@@ -12,8 +12,9 @@ from .helpers import load_script, one_layer_model, tiny_model
 bench = load_script("bench/zero_prefill_select.py")
 
 
-def _report(model, tok, capsys, plot_path=None) -> dict:
-    assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6, plot_path=plot_path) == 0
+def _report(model, tok, capsys, plot_path=None, probe_layers=(1,)) -> dict:
+    assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6, plot_path=plot_path,
+                        probe_layers=probe_layers) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[2].startswith("| recompute |")
     result = json.loads(lines[-1])
@@ -22,10 +23,11 @@ def _report(model, tok, capsys, plot_path=None) -> dict:
 
 
 def test_recomputing_every_token_is_the_exact_splice(tok_special, capsys, tmp_path):
-    variants = _report(tiny_model(len(tok_special), seed=3), tok_special, capsys, plot_path=str(tmp_path / "p.png"))
+    variants = _report(tiny_model(len(tok_special), seed=3), tok_special, capsys, plot_path=str(tmp_path / "p.png"),
+                       probe_layers=(0, 1))
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(variants) == {"none@0", "all@1", *(f"{r}@{s}" for s in (0.25, 0.5)
-                                                  for r in ("tail", "deviation@1", "deviation@all"))}
+                                                  for r in ("tail", "deviation@0", "deviation@1", "deviation@all"))}
     exact = variants["all@1"]
     assert exact["recomputed_pct"] == 100.0 and exact["top1_agreement_pct"] == 100.0
     assert exact["identical_pct"] == 100.0 and abs(exact["extra_nll_per_token"]) < 1e-3
@@ -37,7 +39,7 @@ def test_recomputing_every_token_is_the_exact_splice(tok_special, capsys, tmp_pa
 
 
 def test_with_one_layer_every_selection_is_exact(tok_special, capsys):
-    variants = _report(one_layer_model(len(tok_special), seed=4), tok_special, capsys)
+    variants = _report(one_layer_model(len(tok_special), seed=4), tok_special, capsys, probe_layers=(0,))
     for name, v in variants.items():
         if name != "none@0":
             assert v["top1_agreement_pct"] == 100.0 and v["identical_pct"] == 100.0, name
@@ -51,3 +53,8 @@ def test_with_one_layer_every_selection_is_exact(tok_special, capsys):
 def test_selections(rule, expected):
     deviation = {"deviation@1": torch.tensor([0.1, 0.0, 0.9, 0.2, 0.3, 0.8, 0.0, 0.1, 0.2, 5.0])}
     assert bench.select(rule, 0.3, 10, deviation) == expected
+
+
+def test_a_probe_layer_the_model_lacks_is_refused(tok_special):
+    with pytest.raises(ValueError, match="the model has layers 0..1"):
+        bench.report(tiny_model(len(tok_special)), tok_special, examples=1, shares=[0.5], tokens=4, probe_layers=(2,))
