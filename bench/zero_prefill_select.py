@@ -58,7 +58,7 @@ from rig_decode.eval.metrics import contains_answer
 from rig_decode.eval.synth import generate
 from rig_decode.evidence import EvidenceFormatter
 from rig_decode.kernels import rope_shift_, rotary_inv_freq
-from rig_decode.kernels.chunk_kv import ChunkKVStore
+from rig_decode.kernels.chunk_kv import ChunkKVStore, value_deviation
 from rig_decode.markers import MarkerSpec
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT, build_prompt
@@ -244,8 +244,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
             k = k.clone()
             rope_shift_(k, torch.zeros(m, dtype=torch.long), torch.arange(m), shift + c, inv_freq)
             stored.append((k, v))
-        dev = torch.stack([((v - ref) ** 2).sum(dim=(0, 1, 3)) / (ref ** 2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
-                           for (_, v), ref in zip(stored, in_context)])  # [layers, m]
+        dev = torch.stack([value_deviation(v, ref) for (_, v), ref in zip(stored, in_context)])  # [layers, m]
         deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}
         target = torch.tensor(cont)
         ref_lp = exact_tf.log_softmax(-1)[torch.arange(len(cont)), target]

@@ -68,6 +68,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..kernels import rope_shift_layers_, rotary_inv_freq, to_device
+from ..kernels.chunk_kv import value_deviation
 
 PACKED_ATTENTION = "rig_packed"
 
@@ -596,11 +597,9 @@ class HFModelRunner:
         top = []
         for i, k in reselect.items():
             col = at[i][0]
-            in_context = fresh[i, :, col : col + widths[i]].float()  # [kv_heads, n, head_dim]
-            reused = staged[i][0][probed][1][0].to(in_context.device, torch.float32)
-            deviation = (((reused - in_context) ** 2).sum(dim=(0, 2))
-                         / (in_context**2).sum(dim=(0, 2)).clamp_min(1e-12))  # relative, per token
-            top.append(deviation.topk(k).indices)
+            in_context = fresh[i, :, col : col + widths[i]]  # [kv_heads, n, head_dim]
+            reused = staged[i][0][probed][1][0].to(in_context.device)
+            top.append(value_deviation(reused, in_context).topk(k).indices)
         top = torch.cat(top).tolist()  # one device sync for the hop
         chosen, start = {}, 0
         for i, k in reselect.items():

@@ -88,3 +88,13 @@ class ChunkKVStore:
         layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                   for i in range(len(parts[0]))]
         return layers, torch.cat(shifts)
+
+
+def value_deviation(reused: torch.Tensor, in_context: torch.Tensor) -> torch.Tensor:
+    """Per token, how far reused values are from the same tokens' values computed in context:
+    relative squared L2 over heads and head dims, in fp32. Tensors are ``[..., tokens, head_dim]``
+    with the same shape (e.g. ``[kv_heads, n, head_dim]``); the result is ``[tokens]``. CacheBlend
+    recomputes the tokens this ranks first (``HFModelRunner._select_deviating``)."""
+    reused, in_context = reused.float(), in_context.float()
+    dims = [d for d in range(in_context.dim()) if d != in_context.dim() - 2]
+    return ((reused - in_context) ** 2).sum(dim=dims) / (in_context**2).sum(dim=dims).clamp_min(1e-12)
