@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .runner import RunKey, aggregate
+from .runner import APPROXIMATIONS, RunKey, aggregate
 
 
 def _pct(v):
@@ -77,12 +77,12 @@ def compare_rig_modes(results: dict[RunKey, dict]) -> dict[str, dict]:
 
 
 def compare_variants(results: dict[RunKey, dict]) -> dict[str, dict]:
-    """``rig-summary`` and the ``rig-zero-prefill`` methods approximate ``rig``: per hop budget run
-    by both, the share of identical answers and the accuracy change."""
+    """The variants that approximate ``rig`` (``APPROXIMATIONS``: summary, zero-prefill): per hop
+    budget run by both, the share of identical answers and the accuracy change."""
     out = {}
     for key, res in results.items():
         ref = results.get(RunKey("rig", key.max_iterations))
-        if key.method not in ("rig-summary", "rig-zero-prefill", "rig-zero-prefill-deviation") or ref is None:
+        if key.method not in APPROXIMATIONS or ref is None:
             continue
         a = {r["id"]: r for r in res["records"]}
         b = {r["id"]: r for r in ref["records"]}

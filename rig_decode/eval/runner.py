@@ -41,6 +41,8 @@ VARIANTS = {"rig-reprefill": dict(reprefill=True), "rig-summary": dict(append_fo
             "rig-zero-prefill": dict(zero_prefill=True, zero_prefill_select="tail"),
             "rig-zero-prefill-deviation": dict(zero_prefill=True, zero_prefill_select="deviation")}
 """What each rig variant changes in the engine's options."""
+APPROXIMATIONS = tuple(m for m in VARIANTS if m != "rig-reprefill")
+"""The variants that approximate ``rig`` (``rig-reprefill`` computes the same tokens, only slower)."""
 PLAIN_SYSTEM = "Answer the question in one short sentence."
 RAG_SYSTEM = "Answer the question in one short sentence, using the evidence given with it."
 
