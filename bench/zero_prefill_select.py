@@ -22,7 +22,10 @@ share ``r`` of the block's tokens:
   a system this costs one layer of the block's prefill, here it is read from the exact forward);
 * ``deviation@all``: the same over every layer's values, an oracle no system has before computing;
 * ``deviation@L`` for each ``--probe-layers`` layer ``L`` other than 1: the same at layer ``L`` (a
-  system would run ``L + 1`` layers over the block to find them).
+  system would run ``L + 1`` layers over the block to find them);
+* ``deviation@L+probe`` (with ``--keep-probe-kv``): the same selection, but every block token
+  keeps the KV of layers ``0..L`` the probe computed in context instead of the stored KV (a
+  system's probe computes it anyway; the engine overwrites it with the stored KV).
 
 ``none`` masks the whole block out but its last token (no evidence: the floor); ``all`` recomputes
 every token, which must reproduce the exact splice (the harness's own check).
@@ -32,7 +35,7 @@ Per variant: agreement of the greedy next token with the exact splice's along it
 greedy continuations identical to the exact one, and the share containing the gold answer.
 
     python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
-                                        [--probe-layers 1] [--plot PNG]
+                                        [--probe-layers 1] [--keep-probe-kv] [--plot PNG]
 
 Prints a table, then one JSON line; ``--plot`` also draws the identical answers and the extra NLL
 against the share recomputed, one line per selection.
@@ -193,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gold", choices=("first", "random"), default="first",
                     help="where the gold document sits in the block: first (as retrieval ranks it) or anywhere")
     ap.add_argument("--probe-layers", default="1", help="layers whose value deviation selects (deviation@L)")
+    ap.add_argument("--keep-probe-kv", action="store_true",
+                    help="also run each deviation@L keeping the probe's in-context KV of layers 0..L (deviation@L+probe)")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)
@@ -201,12 +206,13 @@ def main(argv=None) -> int:
     model, tok = load_model(ModelConfig())
     probe = tuple(int(x) for x in args.probe_layers.split(","))
     return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot,
-                  probe_layers=probe)
+                  probe_layers=probe, keep_probe_kv=args.keep_probe_kv)
 
 
 @torch.no_grad()
 def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
-           spec: MarkerSpec | None = None, plot_path: str | None = None, probe_layers: tuple[int, ...] = (1,)) -> int:
+           spec: MarkerSpec | None = None, plot_path: str | None = None, probe_layers: tuple[int, ...] = (1,),
+           keep_probe_kv: bool = False) -> int:
     depth = model.config.num_hidden_layers
     if any(not 0 <= L < depth for L in probe_layers):
         raise ValueError(f"--probe-layers {list(probe_layers)}: the model has layers 0..{depth - 1}")
@@ -217,7 +223,8 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     inv_freq = rotary_inv_freq(model)
     store = ChunkKVStore(model, max_bytes=1 << 30)
     stop = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t not in (None, tok.unk_token_id)}
-    rules = ("tail", *(f"deviation@{L}" for L in probe_layers), "deviation@all")
+    kept = ("", "+probe") if keep_probe_kv else ("",)
+    rules = ("tail", *(f"deviation@{L}{k}" for L in probe_layers for k in kept), "deviation@all")
     variants = [("none", 0.0), *((r, s) for s in shares for r in rules), ("all", 1.0)]
     stats = {v: {"agree": 0, "nll": 0.0, "same": 0, "gold": 0, "recomputed": 0} for v in variants}
     exact_gold = predicted = 0
@@ -228,7 +235,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         ctx_kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         # The exact splice: the block fed through the model after the context, then greedy.
         logits = _forward(model, case.block, list(range(c, c + m)), cache)[-1:]
-        in_context = [layer.values[:, :, c:].clone() for layer in cache.layers]
+        in_context = [(layer.keys[:, :, c:].clone(), layer.values[:, :, c:].clone()) for layer in cache.layers]
         cont, nxt = [], int(logits[-1].argmax())
         for t in range(tokens):  # the exact answer, up to the end of the turn
             cont.append(nxt)
@@ -244,13 +251,14 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
             k = k.clone()
             rope_shift_(k, torch.zeros(m, dtype=torch.long), torch.arange(m), shift + c, inv_freq)
             stored.append((k, v))
-        dev = torch.stack([value_deviation(v, ref) for (_, v), ref in zip(stored, in_context)])  # [layers, m]
+        dev = torch.stack([value_deviation(v, ref) for (_, v), (_, ref) in zip(stored, in_context)])  # [layers, m]
         deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}
+        probed = {f"deviation@{L}+probe": in_context[: L + 1] + stored[L + 1 :] for L in probe_layers}
         target = torch.tensor(cont)
         ref_lp = exact_tf.log_softmax(-1)[torch.arange(len(cont)), target]
         for rule, share in variants:
-            chosen = select(rule, share, m, deviation)
-            pred, out = run_variant(model, ctx_kv, stored, case.block, chosen, cont)
+            chosen = select(rule.removesuffix("+probe"), share, m, deviation)
+            pred, out = run_variant(model, ctx_kv, probed.get(rule, stored), case.block, chosen, cont)
             lp = pred.log_softmax(-1)[torch.arange(len(cont)), target]
             s = stats[(rule, share)]
             s["agree"] += int((pred.argmax(-1) == target).sum())

@@ -12,9 +12,9 @@ from .helpers import load_script, one_layer_model, tiny_model
 bench = load_script("bench/zero_prefill_select.py")
 
 
-def _report(model, tok, capsys, plot_path=None, probe_layers=(1,)) -> dict:
+def _report(model, tok, capsys, plot_path=None, probe_layers=(1,), keep_probe_kv=False) -> dict:
     assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6, plot_path=plot_path,
-                        probe_layers=probe_layers) == 0
+                        probe_layers=probe_layers, keep_probe_kv=keep_probe_kv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[2].startswith("| recompute |")
     result = json.loads(lines[-1])
@@ -44,6 +44,18 @@ def test_with_one_layer_every_selection_is_exact(tok_special, capsys):
         if name != "none@0":
             assert v["top1_agreement_pct"] == 100.0 and v["identical_pct"] == 100.0, name
             assert abs(v["extra_nll_per_token"]) < 1e-3, name
+
+
+def test_keeping_the_probe_kv_of_every_layer_is_exact(tok_special, capsys):
+    """On a two-layer model, ``deviation@1+probe`` keeps the in-context KV of every layer: whatever
+    it selects, it is the exact splice; ``deviation@0+probe`` keeps layer 0's only, and is not."""
+    variants = _report(tiny_model(len(tok_special), seed=3), tok_special, capsys, probe_layers=(0, 1),
+                       keep_probe_kv=True)
+    for s in (0.25, 0.5):
+        kept_all, stale = variants[f"deviation@1+probe@{s}"], variants[f"deviation@1@{s}"]
+        assert kept_all["identical_pct"] == 100.0 and abs(kept_all["extra_nll_per_token"]) < 1e-3
+        assert kept_all["recomputed_pct"] == stale["recomputed_pct"]  # the same selection
+        assert stale["extra_nll_per_token"] > 0.01 and variants[f"deviation@0+probe@{s}"]["extra_nll_per_token"] > 0.01
 
 
 @pytest.mark.parametrize("rule,expected", [

@@ -579,7 +579,8 @@ class HFModelRunner:
         the ``reselect[i]`` tokens whose layer-1 values differ most from the staged ones are
         recomputed through the whole model, in place, each attending by position to the staged KV
         before it and the fresh KV of the others recomputed (``bench/zero_prefill_select.py``
-        measures what this restores)."""
+        measures what this restores, and that keeping the probe's own KV of layers 0-1 instead of
+        the staged KV changes almost nothing: ``--keep-probe-kv``)."""
         probe = [rows[i][1 : 1 + widths[i]] if i in staged else [] for i in range(self.batch_size)]
         layers = self._decoder_layers()
         stop = (layers[self.PROBE_LAYERS].register_forward_pre_hook(_stop_probe)
