@@ -186,6 +186,20 @@ def test_layers_op_matches_the_reference_on_every_layer(device, indices_on, dtyp
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_operator_is_registered_soundly(device):
+    """``torch.library.opcheck``: the schema declares what the op mutates, and the op traces under
+    fake tensors and ``torch.compile``'s ahead-of-time dispatch (it returns nothing, so torch
+    derives its fake kernel)."""
+    device = _device(device)
+    gen = torch.Generator().manual_seed(6)
+    layers = [torch.randn(2, 3, 9, 16, generator=gen).to(device) for _ in range(2)]
+    args = (layers, torch.tensor([0, 1, 1]), torch.tensor([3, 5, 8]), torch.tensor([2.0, -1.0, 4.0]),
+            _inv_freq(16).to(device))
+    results = torch.library.opcheck(torch.ops.rig_decode.rope_shift_layers_.default, args)
+    assert set(results.values()) == {"SUCCESS"} and "test_faketensor" in results, results
+
+
 def test_layers_op_checks_every_layer_before_writing_any():
     layers = [torch.randn(2, 3, 5, 8) for _ in range(3)]
     before = [k.clone() for k in layers]
