@@ -27,6 +27,9 @@ share ``r`` of the block's tokens:
   keeps the KV of layers ``0..L`` the probe computed in context instead of the stored KV (a
   system's probe computes it anyway; the engine overwrites it with the stored KV).
 
+``--piece-prefix system`` computes each piece after the chat prompt's system turn (which every
+prompt starts with) instead of alone (``ChunkKVStore(prefix=)``).
+
 ``none`` masks the whole block out but its last token (no evidence: the floor); ``all`` recomputes
 every token, which must reproduce the exact splice (the harness's own check).
 
@@ -35,7 +38,8 @@ Per variant: agreement of the greedy next token with the exact splice's along it
 greedy continuations identical to the exact one, and the share containing the gold answer.
 
     python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
-                                        [--probe-layers 1] [--keep-probe-kv] [--plot PNG]
+                                        [--probe-layers 1] [--keep-probe-kv] [--piece-prefix none|system]
+                                        [--plot PNG]
 
 Prints a table, then one JSON line; ``--plot`` also draws the identical answers and the extra NLL
 against the share recomputed, one line per selection.
@@ -105,6 +109,13 @@ def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: boo
         block = fmt.render_block([Hit(d["id"], d["text"], 1.0, d["title"]) for d in picked], hop=1)
         cases.append(Case(q.question, block.token_ids, block.segments, [q.answer]))
     return cases
+
+
+def system_turn(tok, spec: MarkerSpec) -> list[int]:
+    """The tokens every case's chat prompt starts with: its system turn."""
+    a, b = (build_prompt(tok, q, spec, system=MARKER_ADAPTER_PROMPT) for q in ("a?", "b?"))
+    n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return a[:n]
 
 
 @torch.no_grad()
@@ -198,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-layers", default="1", help="layers whose value deviation selects (deviation@L)")
     ap.add_argument("--keep-probe-kv", action="store_true",
                     help="also run each deviation@L keeping the probe's in-context KV of layers 0..L (deviation@L+probe)")
+    ap.add_argument("--piece-prefix", choices=("none", "system"), default="none",
+                    help="compute each evidence piece alone (none) or after the chat prompt's system turn")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)
@@ -206,13 +219,13 @@ def main(argv=None) -> int:
     model, tok = load_model(ModelConfig())
     probe = tuple(int(x) for x in args.probe_layers.split(","))
     return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot,
-                  probe_layers=probe, keep_probe_kv=args.keep_probe_kv)
+                  probe_layers=probe, keep_probe_kv=args.keep_probe_kv, piece_prefix=args.piece_prefix)
 
 
 @torch.no_grad()
 def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
            spec: MarkerSpec | None = None, plot_path: str | None = None, probe_layers: tuple[int, ...] = (1,),
-           keep_probe_kv: bool = False) -> int:
+           keep_probe_kv: bool = False, piece_prefix: str = "none") -> int:
     depth = model.config.num_hidden_layers
     if any(not 0 <= L < depth for L in probe_layers):
         raise ValueError(f"--probe-layers {list(probe_layers)}: the model has layers 0..{depth - 1}")
@@ -221,7 +234,8 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     cases = make_cases(tok, examples, gold_first=gold_first)
     write_queries(model, tok, cases, spec)
     inv_freq = rotary_inv_freq(model)
-    store = ChunkKVStore(model, max_bytes=1 << 30)
+    prefix = system_turn(tok, spec) if piece_prefix == "system" else None
+    store = ChunkKVStore(model, max_bytes=1 << 30, prefix=prefix)
     stop = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t not in (None, tok.unk_token_id)}
     kept = ("", "+probe") if keep_probe_kv else ("",)
     rules = ("tail", *(f"deviation@{L}{k}" for L in probe_layers for k in kept), "deviation@all")
@@ -288,6 +302,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         plot(rows, shares, rules, plot_path, f"{n} held-out 1-hop questions, gold document "
              f"{'first' if gold_first else 'anywhere'}; exact splice: {100 * exact_gold / n:.0f}% right")
     print(json.dumps({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
+                      **({"piece_prefix": piece_prefix} if prefix else {}),
                       "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
                       "elapsed_s": round(time.perf_counter() - t0, 1)}))
     return 0

@@ -12,13 +12,15 @@ from .helpers import load_script, one_layer_model, tiny_model
 bench = load_script("bench/zero_prefill_select.py")
 
 
-def _report(model, tok, capsys, plot_path=None, probe_layers=(1,), keep_probe_kv=False) -> dict:
+def _report(model, tok, capsys, plot_path=None, probe_layers=(1,), keep_probe_kv=False, piece_prefix="none"
+            ) -> dict:
     assert bench.report(model, tok, examples=3, shares=[0.25, 0.5], tokens=6, plot_path=plot_path,
-                        probe_layers=probe_layers, keep_probe_kv=keep_probe_kv) == 0
+                        probe_layers=probe_layers, keep_probe_kv=keep_probe_kv, piece_prefix=piece_prefix) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[2].startswith("| recompute |")
     result = json.loads(lines[-1])
     assert result["bench"] == "zero_prefill_select" and result["examples"] == 3
+    assert result.get("piece_prefix", "none") == piece_prefix
     return result["variants"]
 
 
@@ -56,6 +58,19 @@ def test_keeping_the_probe_kv_of_every_layer_is_exact(tok_special, capsys):
         assert kept_all["identical_pct"] == 100.0 and abs(kept_all["extra_nll_per_token"]) < 1e-3
         assert kept_all["recomputed_pct"] == stale["recomputed_pct"]  # the same selection
         assert stale["extra_nll_per_token"] > 0.01 and variants[f"deviation@0+probe@{s}"]["extra_nll_per_token"] > 0.01
+
+
+def test_pieces_after_the_system_turn(tok_special, capsys):
+    """``--piece-prefix system``: the pieces' KV changes, the harness's check still holds."""
+    model = tiny_model(len(tok_special), seed=3)
+    alone = _report(model, tok_special, capsys)
+    after = _report(model, tok_special, capsys, piece_prefix="system")
+    assert after["all@1"]["identical_pct"] == 100.0 and abs(after["all@1"]["extra_nll_per_token"]) < 1e-3
+    assert after["tail@0.25"]["extra_nll_per_token"] != alone["tail@0.25"]["extra_nll_per_token"]
+    spec = bench.MarkerSpec.special_token()
+    turn, prompt = bench.system_turn(tok_special, spec), bench.build_prompt(tok_special, "Who?", spec,
+                                                                             system=bench.MARKER_ADAPTER_PROMPT)
+    assert 0 < len(turn) < len(prompt) and prompt[: len(turn)] == turn  # what every prompt starts with
 
 
 @pytest.mark.parametrize("rule,expected", [

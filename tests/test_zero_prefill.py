@@ -98,6 +98,31 @@ def test_block_kv_matches_pieces_and_store_is_bounded(model, tok):
     assert gapped[0][0].shape[2] == 9
 
 
+def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
+    """With ``prefix``, a piece is computed after it: a row holding exactly that prefix gets the
+    piece's in-context KV, so zero-prefill equals the exact splice on a deep model (the keys sit at
+    positions ``len(prefix)..``; the shifts move them from there)."""
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 200, (17,), generator=gen).tolist()
+    block = torch.randint(3, 200, (11,), generator=gen).tolist()
+    store = ChunkKVStore(deep, prefix=prefix)
+    kv, shifts = store.block_kv(block, [len(block)], len(block) - 1)
+    assert kv[0][0].shape[2] == len(block) - 1 and set(shifts.tolist()) == {-float(len(prefix))}
+    exact = HFModelRunner(deep, pad_id=0)
+    exact.prefill([prefix])
+    want = exact.step([block])[0]
+    torch.testing.assert_close(kv[3][1], exact.cache.layers[3].values[:, :, len(prefix) : -1], atol=1e-5, rtol=1e-5)
+    runner = HFModelRunner(deep, pad_id=0)
+    runner.prefill([prefix[:-1]])
+    got = runner.step([[prefix[-1], *block]], staged={0: (kv, shifts)})[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Computed alone, the same piece is not in-context KV on this model.
+    alone, _ = ChunkKVStore(deep).block_kv(block, [len(block)], len(block) - 1)
+    assert not torch.allclose(alone[3][1], kv[3][1], atol=1e-3)
+    store.get(block[:4])
+    assert (store.misses, len(store)) == (2, 2)  # the prefix's KV is computed once, not stored as a piece
+
+
 def test_bad_staged_kv_is_refused_before_anything_changes(model):
     """Each malformed staging raises an error that names the problem, and the row is left as it
     was: the next plain step still computes exactly what a fresh prefill does."""

@@ -2,7 +2,8 @@
 
 An evidence block is a concatenation of separately tokenised pieces (``EvidenceBlock.segments``:
 head, one line per document, tail). ``ChunkKVStore`` keeps each piece's per-layer keys and values,
-computed by the model over the piece alone at positions ``0..m-1``, in a least-recently-used store
+computed by the model over the piece alone at positions ``0..m-1`` (or after a fixed ``prefix``,
+which on the default model selects worse: docs/benchmarks.md), in a least-recently-used store
 bounded in bytes. ``block_kv`` assembles a block's KV from its pieces: the keys still sit at
 their piece-local positions, and ``shifts`` says how far each column is from its place in the block
 (the piece's offset), so the runner moves them to their final positions with one
@@ -25,11 +26,18 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_h
 
 
 class ChunkKVStore:
-    def __init__(self, model, max_bytes: int = 256 << 20):
+    """``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn,
+    which every row starts with), at positions ``len(prefix)..``; only the piece's own KV is kept,
+    and the prefix's KV once, outside ``max_bytes``. Without one (the engine's way) a piece is
+    computed alone, its first token at position 0."""
+
+    def __init__(self, model, max_bytes: int = 256 << 20, prefix: list[int] | None = None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.model, self.max_bytes = model, max_bytes
         self.device = next(model.parameters()).device
+        self.prefix = list(prefix or [])
+        self._prefix_kv: KV | None = None
         self._items: OrderedDict[tuple[int, ...], KV] = OrderedDict()
         self.num_bytes = 0
         self.hits = self.misses = 0
@@ -39,7 +47,7 @@ class ChunkKVStore:
 
     @torch.no_grad()
     def get(self, ids: list[int]) -> KV:
-        """The piece's KV at positions ``0..len(ids)-1``, computed on a miss."""
+        """The piece's KV at positions ``len(prefix)..len(prefix)+len(ids)-1``, computed on a miss."""
         key = tuple(ids)
         kv = self._items.get(key)
         if kv is not None:
@@ -47,13 +55,9 @@ class ChunkKVStore:
             self.hits += 1
             return kv
         self.misses += 1
-        from ..engine.runner_hf import new_cache
-
-        cache = new_cache(self.model.config)
-        self.model(input_ids=torch.tensor([ids], device=self.device),
-                   position_ids=torch.arange(len(ids), device=self.device)[None],
-                   cache=cache, use_cache=True, logits_to_keep=1)
-        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        p = len(self.prefix)
+        cache = self._forward(ids, self._prefix_cache())
+        kv = [(layer.keys[:, :, p:].clone(), layer.values[:, :, p:].clone()) for layer in cache.layers]
         size = sum(k.nbytes + v.nbytes for k, v in kv)
         if size <= self.max_bytes:
             self._items[key] = kv
@@ -62,6 +66,29 @@ class ChunkKVStore:
                 _, old = self._items.popitem(last=False)
                 self.num_bytes -= sum(k.nbytes + v.nbytes for k, v in old)
         return kv
+
+    def _prefix_cache(self):
+        """A cache holding the prefix's KV (computed once), to compute a piece after."""
+        from ..engine.runner_hf import new_cache
+
+        cache = new_cache(self.model.config)
+        if not self.prefix:
+            return cache
+        if self._prefix_kv is None:
+            self._prefix_kv = [(layer.keys.clone(), layer.values.clone())
+                               for layer in self._forward(self.prefix, cache).layers]
+            cache = new_cache(self.model.config)
+        for layer, (k, v) in zip(cache.layers, self._prefix_kv):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v  # installed, not owned: the piece's forward writes elsewhere
+        return cache
+
+    def _forward(self, ids: list[int], cache):
+        start = cache.get_seq_length()
+        self.model(input_ids=torch.tensor([ids], device=self.device),
+                   position_ids=torch.arange(start, start + len(ids), device=self.device)[None],
+                   cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
 
     def block_kv(self, token_ids: list[int], segments: list[int], count: int) -> tuple[KV, torch.Tensor]:
         """KV of the block's first ``count`` tokens from its pieces, and each column's shift to its
@@ -83,7 +110,7 @@ class ChunkKVStore:
                 continue
             kv = self.get(token_ids[at : at + n])
             parts.append([(k[:, :, :take], v[:, :, :take]) for k, v in kv])
-            shifts.append(torch.full((take,), float(at)))
+            shifts.append(torch.full((take,), float(at - len(self.prefix))))
             at += n
         layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                   for i in range(len(parts[0]))]
