@@ -16,7 +16,9 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
 4. the zero-prefill splice of the same hop: the block's KV assembled from a warm ``ChunkKVStore``
    (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed, or the tokens
    CacheBlend would choose (``reselect=``, ``engine.zero_prefill.select: deviation``); for every
-   kind of hop, the device syncs torch reports during one (CUDA only: where the host waits for the GPU);
+   kind of hop, the device syncs torch reports during one (CUDA only: where the host waits for the
+   GPU); and on a miss (a cold store), the block's pieces computed one forward each vs together in
+   one packed forward;
 5. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row;
 6. search: top-10 for 8 queries over 1M normalized 384-d vectors (FAISS on the GPU when the
    installed faiss has GPU support, else a matmul + ``torch.topk`` on the device);
@@ -318,6 +320,28 @@ class Bench:
                             context)
             self.syncs("zero-prefill", hop, undo, f"{key}_syncs", context)
 
+    def cold_pieces(self) -> None:
+        """Zero-prefill on a miss: an evidence block's pieces computed from an empty store, one
+        forward per piece (``get``) vs all of them in one packed forward (``block_kv``, what a hop
+        does), side by side."""
+        n = self.shapes.evidence
+        block, segments = random_ids(self.gen, self.vocab, n), evidence_segments(n)
+        starts = [sum(segments[:i]) for i in range(len(segments))]
+
+        def each():
+            store = ChunkKVStore(self.model)
+            for a, m in zip(starts, segments):
+                store.get(block[a : a + m])
+
+        def packed():
+            ChunkKVStore(self.model).block_kv(block, segments, n)
+
+        what = f"ms ({len(segments)} pieces, {n} tokens)"
+        one = self.clock.median_ms(each, self.shapes.repeats)
+        together = self.clock.median_ms(packed, self.shapes.repeats)
+        self.report.add("zero-prefill", "cold pieces, one forward each", one, what, "cold_pieces_each_ms")
+        self.report.add("zero-prefill", "cold pieces, one packed forward", together, what, "cold_pieces_packed_ms")
+
     def syncs(self, section: str, hop, undo, key: str, context: int) -> None:
         """The device syncs in one hop: where its host side waits for the GPU (a hop has to read its
         logits in the end; before that, each one stalls the queue)."""
@@ -488,6 +512,7 @@ def run_sections(bench: Bench) -> None:
     sections = [("model", bench.build, False), ("index", bench.build_index, False),
                 ("decode", bench.decode, True)]
     sections += [(f"hop {c}", lambda c=c: bench.hop(c), True) for c in bench.shapes.contexts]
+    sections += [("zero-prefill pieces", bench.cold_pieces, True)]
     sections += [("evict", bench.evict, True), ("search", bench.search, False), ("rerank", bench.rerank, False),
                  ("memory", bench.memory, True)]
     for name, fn, needs_model in sections:

@@ -32,7 +32,7 @@ def _check(proc: subprocess.CompletedProcess) -> dict:
                 "evidence_prefill_tok_s"):
         assert set(result[key]) == set(contexts), key
         assert all(_positive(v) for v in result[key].values()), (key, result[key])
-    for key in ("evict_ms", "search_ms", "weights_gb", "index_gb", "kv_bytes_per_token", "planned_max_kv_tokens",
+    for key in ("cold_pieces_each_ms", "cold_pieces_packed_ms", "evict_ms", "search_ms", "weights_gb", "index_gb", "kv_bytes_per_token", "planned_max_kv_tokens",
                 "peak_gb", "cap_gb"):
         assert _positive(result[key]), (key, result.get(key))
     # A hop's row holds its tokens plus spare columns (a quarter, at least 64), and no spare row.

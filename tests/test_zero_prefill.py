@@ -123,6 +123,34 @@ def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
     assert (store.misses, len(store)) == (2, 2)  # the prefix's KV is computed once, not stored as a piece
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("prefix", [None, [5, 6, 7, 8]])
+def test_missing_pieces_are_computed_together_in_one_forward(tok, attention, prefix):
+    """The pieces a block lacks go through the model in one forward, packed without padding,
+    each attending to the prefix and itself only: the same KV as each piece computed on its own."""
+    model = tiny_model(len(tok), seed=7, layers=3)
+    model.set_attn_implementation(attention)
+    gen = torch.Generator().manual_seed(8)
+    pieces = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 9, 1, 6)]
+    pieces.append(pieces[0])  # a piece twice: computed once
+    forwards = []
+    hook = model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        store = ChunkKVStore(model, prefix=prefix)
+        store.get(pieces[1])  # already held: not computed again
+        before = len(forwards)
+        got = store.get_many(pieces)
+    finally:
+        hook.remove()
+    assert len(forwards) - before == 1 and (store.misses, store.hits) == (4, 2) and len(store) == 4
+    for ids, kv in zip(pieces, got):
+        alone = ChunkKVStore(model, prefix=prefix).get(ids)
+        assert kv[0][0].shape[2] == len(ids)
+        for (k, v), (k1, v1) in zip(kv, alone):
+            torch.testing.assert_close(k, k1, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, v1, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_staged_kv_is_refused_before_anything_changes(model):
     """Each malformed staging raises an error that names the problem, and the row is left as it
     was: the next plain step still computes exactly what a fresh prefill does."""

@@ -4,7 +4,8 @@ An evidence block is a concatenation of separately tokenised pieces (``EvidenceB
 head, one line per document, tail). ``ChunkKVStore`` keeps each piece's per-layer keys and values,
 computed by the model over the piece alone at positions ``0..m-1`` (or after a fixed ``prefix``,
 which on the default model selects worse: docs/benchmarks.md), in a least-recently-used store
-bounded in bytes. ``block_kv`` assembles a block's KV from its pieces: the keys still sit at
+bounded in bytes; the pieces a block lacks are computed together, in one packed forward.
+``block_kv`` assembles a block's KV from its pieces: the keys still sit at
 their piece-local positions, and ``shifts`` says how far each column is from its place in the block
 (the piece's offset), so the runner moves them to their final positions with one
 ``rope_shift_layers_`` call when it copies them into a row (``HFModelRunner.step(staged=)``).
@@ -21,6 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+
+from . import to_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
 
@@ -45,19 +48,34 @@ class ChunkKVStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    @torch.no_grad()
     def get(self, ids: list[int]) -> KV:
         """The piece's KV at positions ``len(prefix)..len(prefix)+len(ids)-1``, computed on a miss."""
-        key = tuple(ids)
-        kv = self._items.get(key)
-        if kv is not None:
-            self._items.move_to_end(key)
-            self.hits += 1
-            return kv
-        self.misses += 1
-        p = len(self.prefix)
-        cache = self._forward(ids, self._prefix_cache())
-        kv = [(layer.keys[:, :, p:].clone(), layer.values[:, :, p:].clone()) for layer in cache.layers]
+        return self.get_many([ids])[0]
+
+    @torch.no_grad()
+    def get_many(self, pieces: list[list[int]]) -> list[KV]:
+        """Each piece's KV (as ``get``); the pieces the store lacks are computed together, in one
+        forward (``_compute``), then stored."""
+        found: dict[tuple[int, ...], KV] = {}
+        missing: list[tuple[int, ...]] = []
+        for ids in pieces:
+            key = tuple(ids)
+            if key in found or key in missing:
+                self.hits += 1
+            elif (kv := self._items.get(key)) is not None:
+                self._items.move_to_end(key)
+                found[key] = kv
+                self.hits += 1
+            else:
+                missing.append(key)
+                self.misses += 1
+        if missing:
+            for key, kv in zip(missing, self._compute([list(k) for k in missing])):
+                found[key] = kv
+                self._keep(key, kv)
+        return [found[tuple(ids)] for ids in pieces]
+
+    def _keep(self, key: tuple[int, ...], kv: KV) -> None:
         size = sum(k.nbytes + v.nbytes for k, v in kv)
         if size <= self.max_bytes:
             self._items[key] = kv
@@ -65,10 +83,43 @@ class ChunkKVStore:
             while self.num_bytes > self.max_bytes:
                 _, old = self._items.popitem(last=False)
                 self.num_bytes -= sum(k.nbytes + v.nbytes for k, v in old)
-        return kv
+
+    def _compute(self, pieces: list[list[int]]) -> list[KV]:
+        """The pieces' KV, each after the prefix only, from one forward: the pieces go one after
+        another in a single sequence, each at positions ``len(prefix)..`` and attending to the
+        prefix and to its own tokens up to itself (a block-diagonal causal mask, the runner's
+        packed attention); no padding is computed."""
+        from ..engine.runner_hf import PACKED_ATTENTION, PackedStep, _attention_implementation, _model_attention
+
+        p = len(self.prefix)
+        cache = self._prefix_cache()
+        if len(pieces) == 1:
+            self._forward(pieces[0], cache)
+        else:
+            lengths = torch.tensor([len(ids) for ids in pieces])
+            piece_of = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
+            local = torch.cat([torch.arange(n) for n in lengths.tolist()])
+            # token j sees the prefix, and token c of its own piece where c comes at or before j
+            own = (piece_of[:, None] == piece_of[None, :]) & (local[None, :] <= local[:, None])
+            mask = torch.cat([torch.ones(len(local), p, dtype=torch.bool), own], dim=1)[None, None]
+            attend, additive = _model_attention(self.model)
+            if additive:
+                dtype = self.model.dtype
+                mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+            plan = PackedStep(attend, 1, None, None, None, [(0, 0, len(local), to_device(mask, self.device))])
+            with _attention_implementation(self.model.config, PACKED_ATTENTION):
+                self.model(input_ids=to_device(torch.tensor([[t for ids in pieces for t in ids]]), self.device),
+                           position_ids=to_device((local + p)[None], self.device), cache=cache, use_cache=True,
+                           rig_packed=plan, logits_to_keep=1)
+        out, at = [], p
+        for ids in pieces:
+            out.append([(layer.keys[:, :, at : at + len(ids)].clone(), layer.values[:, :, at : at + len(ids)].clone())
+                        for layer in cache.layers])
+            at += len(ids)
+        return out
 
     def _prefix_cache(self):
-        """A cache holding the prefix's KV (computed once), to compute a piece after."""
+        """A cache holding the prefix's KV (computed once), to compute pieces after."""
         from ..engine.runner_hf import new_cache
 
         cache = new_cache(self.model.config)
@@ -80,13 +131,13 @@ class ChunkKVStore:
             cache = new_cache(self.model.config)
         for layer, (k, v) in zip(cache.layers, self._prefix_kv):
             layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v  # installed, not owned: the piece's forward writes elsewhere
+            layer.keys, layer.values = k, v  # installed, not owned: the pieces' forward writes elsewhere
         return cache
 
     def _forward(self, ids: list[int], cache):
         start = cache.get_seq_length()
-        self.model(input_ids=torch.tensor([ids], device=self.device),
-                   position_ids=torch.arange(start, start + len(ids), device=self.device)[None],
+        self.model(input_ids=to_device(torch.tensor([ids]), self.device),
+                   position_ids=to_device(torch.arange(start, start + len(ids))[None], self.device),
                    cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
@@ -99,19 +150,17 @@ class ChunkKVStore:
             raise ValueError(f"segments {segments} must be lengths covering the block's {len(token_ids)} tokens")
         if not 0 < count <= len(token_ids):
             raise ValueError(f"count must be in 1..{len(token_ids)}, got {count}")
-        parts: list[KV] = []
-        shifts: list[torch.Tensor] = []
+        used: list[tuple[int, int, int]] = []  # (first token, length, tokens taken) of each piece used
         at = 0
         for n in segments:
             if at >= count:
                 break
-            take = min(n, count - at)
-            if take == 0:  # an empty piece
-                continue
-            kv = self.get(token_ids[at : at + n])
-            parts.append([(k[:, :, :take], v[:, :, :take]) for k, v in kv])
-            shifts.append(torch.full((take,), float(at - len(self.prefix))))
+            if n:  # an empty piece is skipped
+                used.append((at, n, min(n, count - at)))
             at += n
+        kvs = self.get_many([token_ids[a : a + n] for a, n, _ in used])
+        parts = [[(k[:, :, :take], v[:, :, :take]) for k, v in kv] for kv, (_, _, take) in zip(kvs, used)]
+        shifts = [torch.full((take,), float(a - len(self.prefix))) for a, _, take in used]
         layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                   for i in range(len(parts[0]))]
         return layers, torch.cat(shifts)
