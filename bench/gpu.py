@@ -17,8 +17,9 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
    (``block_kv``) and copied in with ``step(staged=...)``, its tail recomputed, or the tokens
    CacheBlend would choose (``reselect=``, ``engine.zero_prefill.select: deviation``); for every
    kind of hop, the device syncs torch reports during one (CUDA only: where the host waits for the
-   GPU); and on a miss (a cold store), the block's pieces computed one forward each vs together in
-   one packed forward;
+   GPU); the tail hop again with the pieces held in the store's host tier (``host_bytes``: pinned
+   memory, copied to the card on each hop); and on a miss (a cold store), the block's pieces
+   computed one forward each vs together in one packed forward;
 5. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row;
 6. search: top-10 for 8 queries over 1M normalized 384-d vectors (FAISS on the GPU when the
    installed faiss has GPU support, else a matmul + ``torch.topk`` on the device);
@@ -291,20 +292,25 @@ class Bench:
     def zero_prefill(self, runner: HFModelRunner, new: list[int], context: int, undo) -> None:
         """The same hop from a warm ``ChunkKVStore`` (the block's pieces were computed before), with
         the engine's share recomputed: the block's tail, then CacheBlend's choice of tokens
-        (``select: deviation``: a two-layer probe, the chosen tokens recomputed in place)."""
+        (``select: deviation``: a two-layer probe, the chosen tokens recomputed in place), and the
+        tail with the pieces in the store's host tier (copied to the device on each hop)."""
         block = new[1:]
         n = len(block)
         recompute = max(1, math.ceil(EngineOptions().zero_prefill_recompute * n))  # as the engine counts
-        store, segments = ChunkKVStore(self.model), evidence_segments(n)
-        for select, count, reselect in (("tail", n - recompute, 0), ("deviation", n - 1, recompute - 1)):
+        segments = evidence_segments(n)
+        warm = ChunkKVStore(self.model)
+        on_host = ChunkKVStore(self.model, max_bytes=0, host_bytes=2 * n * kv_bytes_per_token_of(self.model))
+        for label, key, store, count, reselect in (
+                ("splice", "zero_prefill", warm, n - recompute, 0),
+                ("splice, pieces from the host tier", "zero_prefill_host", on_host, n - recompute, 0),
+                ("deviation splice", "zero_prefill_deviation", warm, n - 1, recompute - 1)):
             store.block_kv(block, segments, count)
-            key = "zero_prefill" if select == "tail" else "zero_prefill_deviation"
 
-            def hop():
+            def hop(store=store, count=count, reselect=reselect):
                 kv, shifts = store.block_kv(block, segments, count)
                 runner.step([new], staged={0: (kv, shifts)}, reselect={0: reselect})
 
-            metric = f"{'splice' if select == 'tail' else 'deviation splice'}, {context} ctx"
+            metric = f"{label}, {context} ctx"
             try:
                 ms = self.clock.median_ms(hop, self.shapes.repeats, reset=undo)
             except torch.cuda.OutOfMemoryError as e:  # report it, and go on to the re-prefill
@@ -318,7 +324,7 @@ class Bench:
                 return
             self.report.add("zero-prefill", metric, ms, f"ms ({n - recompute} of {n} tokens reused)", f"{key}_ms",
                             context)
-            self.syncs("zero-prefill", hop, undo, f"{key}_syncs", context)
+            self.syncs("zero-prefill", hop, undo, f"{key}_syncs", context, label)
 
     def cold_pieces(self) -> None:
         """Zero-prefill on a miss: an evidence block's pieces computed from an empty store, one
@@ -342,10 +348,10 @@ class Bench:
         self.report.add("zero-prefill", "cold pieces, one forward each", one, what, "cold_pieces_each_ms")
         self.report.add("zero-prefill", "cold pieces, one packed forward", together, what, "cold_pieces_packed_ms")
 
-    def syncs(self, section: str, hop, undo, key: str, context: int) -> None:
+    def syncs(self, section: str, hop, undo, key: str, context: int, label: str = "splice") -> None:
         """The device syncs in one hop: where its host side waits for the GPU (a hop has to read its
         logits in the end; before that, each one stalls the queue)."""
-        metric = f"device syncs in one hop, {context} ctx"
+        metric = f"device syncs in one {label}, {context} ctx"
         if self.device.type != "cuda":
             self.report.missing(section, metric, key, "counted on cuda only", context)
             return

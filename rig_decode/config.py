@@ -207,6 +207,10 @@ class ZeroPrefillConfig(_Section):
     the block finds them; ``bench/zero_prefill_select.py`` compares the two)."""
     store_mb: int = Field(256, ge=0)
     """Bytes of piece KV kept (least recently used dropped first), on the model's device."""
+    host_store_mb: int = Field(0, ge=0)
+    """Bytes of piece KV kept in host memory (pinned, for a GPU model) once ``store_mb`` is full:
+    what the device store drops goes there, and a hit there costs a copy to the device instead of
+    a forward. A 32B model's KV is 256 KiB per token, so 256 MB holds a thousand tokens."""
 
 
 class EngineConfig(_Section):

@@ -49,6 +49,7 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         zero_prefill_recompute=cfg.engine.zero_prefill.recompute,
         zero_prefill_select=cfg.engine.zero_prefill.select,
         chunk_store_bytes=cfg.engine.zero_prefill.store_mb << 20,
+        chunk_store_host_bytes=cfg.engine.zero_prefill.host_store_mb << 20,
     )
     opts.update(overrides)
     return EngineOptions(**opts)

@@ -29,6 +29,7 @@ def _check(proc: subprocess.CompletedProcess) -> dict:
     assert set(result["decode_tok_s"]) == {"1", "8"}
     assert all(_positive(v) for v in result["decode_tok_s"].values())
     for key in ("splice_ms", "reprefill_ms", "reprefill_over_splice", "zero_prefill_ms", "zero_prefill_deviation_ms",
+                "zero_prefill_host_ms",
                 "evidence_prefill_tok_s"):
         assert set(result[key]) == set(contexts), key
         assert all(_positive(v) for v in result[key].values()), (key, result[key])

@@ -106,9 +106,12 @@ def test_zero_prefill_and_summary_come_from_the_config():
     from rig_decode.session import engine_options
 
     cfg = RigConfig.from_dict({"rig": {"append_format": "summary"},
-                               "engine": {"zero_prefill": {"enabled": True, "recompute": 0.25, "store_mb": 8}}})
+                               "engine": {"zero_prefill": {"enabled": True, "recompute": 0.25, "store_mb": 8,
+                                                           "host_store_mb": 64}}})
     opts = engine_options(cfg, None)
-    assert (opts.append_format, opts.zero_prefill, opts.zero_prefill_recompute, opts.chunk_store_bytes) == \
-        ("summary", True, 0.25, 8 << 20)
+    assert (opts.append_format, opts.zero_prefill, opts.zero_prefill_recompute, opts.chunk_store_bytes,
+            opts.chunk_store_host_bytes) == ("summary", True, 0.25, 8 << 20, 64 << 20)
     with pytest.raises(ConfigError, match="engine.zero_prefill.recompute"):
         RigConfig.from_dict({"engine": {"zero_prefill": {"recompute": 2}}})
+    with pytest.raises(ConfigError, match="engine.zero_prefill.host_store_mb"):
+        RigConfig.from_dict({"engine": {"zero_prefill": {"host_store_mb": -1}}})

@@ -21,10 +21,11 @@ from .test_exactness import PROMPTS, _script
 from .test_summary import KeptRecorder
 
 
-def _run(model, tok, *, zero_prefill, recorder=None, recompute=0.1, engine=None, select="tail"):
+def _run(model, tok, *, zero_prefill, recorder=None, recompute=0.1, engine=None, select="tail", **options):
     vocab = MarkerVocab(tok, MarkerSpec.special_token())
     opts = EngineOptions(max_iterations=3, max_new_tokens=70, evidence_token_budget=64, top_k=2,
-                         zero_prefill=zero_prefill, zero_prefill_recompute=recompute, zero_prefill_select=select)
+                         zero_prefill=zero_prefill, zero_prefill_recompute=recompute, zero_prefill_select=select,
+                         **options)
     extra = ([recorder] if recorder else []) + [ForceScript(_script(vocab, tok.eos_token_id))]
     engine = engine or RigEngine(model, tok, ScriptedRetriever(), opts, extra_processors=extra)
     seqs = [engine.new_sequence(tok.encode(p), seq_id=i) for i, p in enumerate(PROMPTS)]
@@ -60,6 +61,18 @@ def test_zero_prefill_on_a_deep_model_runs_and_reuses_pieces(deep, tok, select):
     misses = engine.chunks.misses
     _run(deep, tok, zero_prefill=True, engine=engine)  # same questions again: same pieces
     assert engine.chunks.misses - misses <= 3 and engine.chunks.hits > misses
+
+
+def test_pieces_served_from_the_host_tier_decode_the_same(deep, tok):
+    """With no room on the device, the engine's pieces live in the host tier: the same tokens as
+    a device store, and the repeated questions' pieces come from the host."""
+    on_device, _ = _run(deep, tok, zero_prefill=True)
+    on_host, engine = _run(deep, tok, zero_prefill=True, chunk_store_bytes=0, chunk_store_host_bytes=64 << 20)
+    assert [s.token_ids for s in on_host] == [s.token_ids for s in on_device]
+    assert engine.chunks.num_bytes == 0 and engine.chunks.host_num_bytes > 0
+    hits = engine.chunks.host_hits
+    _run(deep, tok, zero_prefill=True, engine=engine)
+    assert engine.chunks.host_hits > hits
 
 
 @pytest.mark.parametrize("select", ["tail", "deviation"])
@@ -149,6 +162,46 @@ def test_missing_pieces_are_computed_together_in_one_forward(tok, attention, pre
         for (k, v), (k1, v1) in zip(kv, alone):
             torch.testing.assert_close(k, k1, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(v, v1, atol=1e-5, rtol=1e-5)
+
+
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_host_tier_keeps_what_the_device_tier_pushes_out(tok, device):
+    """A piece the device tier pushes out goes to the host tier; a hit there copies it back (and
+    moves it back to the device tier) instead of computing it; what the host tier pushes out is
+    dropped. The KV is the same whichever tier served it."""
+    model = tiny_model(len(tok), seed=7, layers=3).to(device)
+    gen = torch.Generator().manual_seed(9)
+    p1, p2, p3, p4 = (torch.randint(3, 200, (5,), generator=gen).tolist() for _ in range(4))
+    want = ChunkKVStore(model).get_many([p1, p2])
+    one = sum(k.nbytes + v.nbytes for k, v in want[0])
+    store = ChunkKVStore(model, max_bytes=one, host_bytes=2 * one)
+    store.get(p1)
+    store.get(p2)  # p1 to the host
+    assert (store.num_bytes, store.host_num_bytes, len(store)) == (one, one, 2)
+    host_k = store._host_tier.items[tuple(p1)][0][0]
+    assert host_k.device.type == "cpu" and (device == "cpu" or host_k.is_pinned())
+    store.get(p3)  # p2 to the host, beside p1
+    got = store.get(p1)  # from the host: back on the device, p3 to the host
+    assert (store.misses, store.hits, store.host_hits) == (3, 1, 1)
+    assert (store.num_bytes, store.host_num_bytes, len(store)) == (one, 2 * one, 3)
+    for (k, v), (k1, v1) in zip(got, want[0]):
+        assert k.device == k1.device
+        torch.testing.assert_close(k, k1)
+        torch.testing.assert_close(v, v1)
+    store.get(p4)  # p1 to the host, which drops p2, its least recently used
+    store.get(p2)
+    assert (store.misses, store.host_hits) == (5, 1)
+    # No device tier: every piece is kept on the host and copied over on each hit.
+    host_only = ChunkKVStore(model, max_bytes=0, host_bytes=one)
+    host_only.get(p1)
+    again = host_only.get(p1)
+    assert (host_only.host_hits, host_only.num_bytes, host_only.host_num_bytes) == (1, 0, one)
+    torch.testing.assert_close(again[1][1], want[0][1][1])
+    with pytest.raises(ValueError, match="host_bytes must be >= 0"):
+        ChunkKVStore(model, host_bytes=-1)
 
 
 def test_bad_staged_kv_is_refused_before_anything_changes(model):

@@ -94,6 +94,10 @@ class EngineOptions:
     those whose layer-1 values, computed in context, differ most from the reused ones (CacheBlend;
     costs a two-layer pass over the block)."""
     chunk_store_bytes: int = 256 << 20
+    """Bytes of piece KV kept on the model's device, least recently used dropped first."""
+    chunk_store_host_bytes: int = 0
+    """Bytes of piece KV kept in host memory once the device's share is full: a hit there costs a
+    copy to the device instead of a forward."""
     reuse_similarity: float | None = None
     """A hop whose query is at least this similar to an earlier one (this answer's, or the
     conversation memory's) references that query's documents instead of searching again."""
@@ -122,7 +126,7 @@ class RigEngine:
                 raise ValueError(f"zero_prefill_recompute must be in [0, 1], got {options.zero_prefill_recompute}")
             if options.zero_prefill_select not in ("tail", "deviation"):
                 raise ValueError(f"zero_prefill_select must be tail or deviation, got {options.zero_prefill_select!r}")
-            self.chunks = ChunkKVStore(model, options.chunk_store_bytes)
+            self.chunks = ChunkKVStore(model, options.chunk_store_bytes, host_bytes=options.chunk_store_host_bytes)
         if options.append_format == "summary" and not hasattr(self.runner, "evict"):
             raise ValueError(f"append_format: summary drops evidence from the KV cache, which "
                              f"{type(self.runner).__name__} cannot do; use the in-process (hf) backend")

@@ -124,6 +124,11 @@ def _model_attention(model) -> tuple[Callable, bool]:
     return sdpa_attention_forward, False
 
 
+def _additive_mask(m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive float mask eager attention takes."""
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+
+
 @contextmanager
 def _attention_implementation(config, name: str):
     """Run the model with another registered attention implementation (with no mask function
@@ -714,10 +719,7 @@ class HFModelRunner:
         attend, additive = _model_attention(self.model)
 
         def mask(m: torch.Tensor) -> torch.Tensor:
-            if not additive:
-                return m
-            dtype = self.model.dtype
-            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+            return _additive_mask(m, self.model.dtype) if additive else m
 
         real = self.attn.bool()
         column = torch.arange(self.num_columns, device=self.device)

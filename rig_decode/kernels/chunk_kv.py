@@ -4,11 +4,12 @@ An evidence block is a concatenation of separately tokenised pieces (``EvidenceB
 head, one line per document, tail). ``ChunkKVStore`` keeps each piece's per-layer keys and values,
 computed by the model over the piece alone at positions ``0..m-1`` (or after a fixed ``prefix``,
 which on the default model selects worse: docs/benchmarks.md), in a least-recently-used store
-bounded in bytes; the pieces a block lacks are computed together, in one packed forward.
-``block_kv`` assembles a block's KV from its pieces: the keys still sit at
-their piece-local positions, and ``shifts`` says how far each column is from its place in the block
-(the piece's offset), so the runner moves them to their final positions with one
-``rope_shift_layers_`` call when it copies them into a row (``HFModelRunner.step(staged=)``).
+bounded in bytes on the model's device, with an optional second tier in host memory. The pieces a
+block lacks are computed together, in one packed forward. ``block_kv`` assembles a block's KV from
+its pieces: the keys still sit at their piece-local positions, and ``shifts`` says how far each
+column is from its place in the block (the piece's offset), so the runner moves them to their
+final positions with one ``rope_shift_layers_`` call when it copies them into a row
+(``HFModelRunner.step(staged=)``).
 
 What this gives up: a piece computed alone never attended to the text before it (the question, the
 answer so far, earlier pieces), which exact splicing does. The tail of the block (at least its last
@@ -28,25 +29,79 @@ from . import to_device
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
 
 
+def _nbytes(kv: KV) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in kv)
+
+
+class _Tier:
+    """Pieces' KV by their token ids, least recently used first, bounded in bytes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.items: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.num_bytes = 0
+
+    def get(self, key: tuple[int, ...]) -> KV | None:
+        kv = self.items.get(key)
+        if kv is not None:
+            self.items.move_to_end(key)
+        return kv
+
+    def pop(self, key: tuple[int, ...]) -> KV:
+        kv = self.items.pop(key)
+        self.num_bytes -= _nbytes(kv)
+        return kv
+
+    def put(self, key: tuple[int, ...], kv: KV) -> list[tuple[tuple[int, ...], KV]]:
+        """Keep ``kv``, when it fits at all; what this pushes out (or ``kv`` itself, when it does
+        not fit), least recently used first."""
+        size = _nbytes(kv)
+        if size > self.max_bytes:
+            return [(key, kv)]
+        self.items[key] = kv
+        self.num_bytes += size
+        out = []
+        while self.num_bytes > self.max_bytes:
+            old_key, old = self.items.popitem(last=False)
+            self.num_bytes -= _nbytes(old)
+            out.append((old_key, old))
+        return out
+
+
 class ChunkKVStore:
-    """``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn,
+    """Two tiers: up to ``max_bytes`` of piece KV on the model's device, and up to ``host_bytes``
+    more in host memory (pinned, for a CUDA model), where what the device tier pushes out goes. A
+    hit in the host tier costs a copy to the device (queued on the stream, no sync) instead of a
+    forward, and moves the piece back to the device tier. For a CPU model both tiers are host
+    memory: the host tier is only more room.
+
+    ``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn,
     which every row starts with), at positions ``len(prefix)..``; only the piece's own KV is kept,
-    and the prefix's KV once, outside ``max_bytes``. Without one (the engine's way) a piece is
+    and the prefix's KV once, outside the bounds. Without one (the engine's way) a piece is
     computed alone, its first token at position 0."""
 
-    def __init__(self, model, max_bytes: int = 256 << 20, prefix: list[int] | None = None):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.model, self.max_bytes = model, max_bytes
+    def __init__(self, model, max_bytes: int = 256 << 20, prefix: list[int] | None = None, host_bytes: int = 0):
+        if max_bytes < 0 or host_bytes < 0:
+            raise ValueError(f"max_bytes and host_bytes must be >= 0, got {max_bytes} and {host_bytes}")
+        self.model, self.max_bytes, self.host_bytes = model, max_bytes, host_bytes
         self.device = next(model.parameters()).device
         self.prefix = list(prefix or [])
         self._prefix_kv: KV | None = None
-        self._items: OrderedDict[tuple[int, ...], KV] = OrderedDict()
-        self.num_bytes = 0
+        self._device_tier, self._host_tier = _Tier(max_bytes), _Tier(host_bytes)
         self.hits = self.misses = 0
+        self.host_hits = 0  # of ``hits``: those served from the host tier
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._device_tier.items) + len(self._host_tier.items)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held on the device (``host_num_bytes``: in the host tier)."""
+        return self._device_tier.num_bytes
+
+    @property
+    def host_num_bytes(self) -> int:
+        return self._host_tier.num_bytes
 
     def get(self, ids: list[int]) -> KV:
         """The piece's KV at positions ``len(prefix)..len(prefix)+len(ids)-1``, computed on a miss."""
@@ -54,18 +109,24 @@ class ChunkKVStore:
 
     @torch.no_grad()
     def get_many(self, pieces: list[list[int]]) -> list[KV]:
-        """Each piece's KV (as ``get``); the pieces the store lacks are computed together, in one
-        forward (``_compute``), then stored."""
+        """Each piece's KV on the model's device (as ``get``); the pieces neither tier holds are
+        computed together, in one forward (``_compute``), then stored."""
         found: dict[tuple[int, ...], KV] = {}
         missing: list[tuple[int, ...]] = []
         for ids in pieces:
             key = tuple(ids)
             if key in found or key in missing:
                 self.hits += 1
-            elif (kv := self._items.get(key)) is not None:
-                self._items.move_to_end(key)
+            elif (kv := self._device_tier.get(key)) is not None:
                 found[key] = kv
                 self.hits += 1
+            elif (kv := self._host_tier.get(key)) is not None:
+                found[key] = [(to_device(k, self.device), to_device(v, self.device)) for k, v in kv]
+                if _nbytes(kv) <= self.max_bytes:  # back to the device tier (else it stays on the host)
+                    self._host_tier.pop(key)
+                    self._keep(key, found[key])
+                self.hits += 1
+                self.host_hits += 1
             else:
                 missing.append(key)
                 self.misses += 1
@@ -76,20 +137,26 @@ class ChunkKVStore:
         return [found[tuple(ids)] for ids in pieces]
 
     def _keep(self, key: tuple[int, ...], kv: KV) -> None:
-        size = sum(k.nbytes + v.nbytes for k, v in kv)
-        if size <= self.max_bytes:
-            self._items[key] = kv
-            self.num_bytes += size
-            while self.num_bytes > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self.num_bytes -= sum(k.nbytes + v.nbytes for k, v in old)
+        """Store a piece's device KV; what the device tier pushes out goes to the host tier (what
+        that one pushes out is dropped)."""
+        for old_key, old in self._device_tier.put(key, kv):
+            if _nbytes(old) <= self.host_bytes:
+                self._host_tier.put(old_key, [(self._to_host(k), self._to_host(v)) for k, v in old])
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t``: for CUDA, in pinned memory, queued on the stream (no sync: the
+        copy back to the device is queued after it on the same stream)."""
+        if t.device.type != "cuda":
+            return t
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
     def _compute(self, pieces: list[list[int]]) -> list[KV]:
         """The pieces' KV, each after the prefix only, from one forward: the pieces go one after
         another in a single sequence, each at positions ``len(prefix)..`` and attending to the
         prefix and to its own tokens up to itself (a block-diagonal causal mask, the runner's
         packed attention); no padding is computed."""
-        from ..engine.runner_hf import PACKED_ATTENTION, PackedStep, _attention_implementation, _model_attention
+        from ..engine.runner_hf import (PACKED_ATTENTION, PackedStep, _additive_mask, _attention_implementation,
+                                        _model_attention)
 
         p = len(self.prefix)
         cache = self._prefix_cache()
@@ -104,8 +171,7 @@ class ChunkKVStore:
             mask = torch.cat([torch.ones(len(local), p, dtype=torch.bool), own], dim=1)[None, None]
             attend, additive = _model_attention(self.model)
             if additive:
-                dtype = self.model.dtype
-                mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+                mask = _additive_mask(mask, self.model.dtype)
             plan = PackedStep(attend, 1, None, None, None, [(0, 0, len(local), to_device(mask, self.device))])
             with _attention_implementation(self.model.config, PACKED_ATTENTION):
                 self.model(input_ids=to_device(torch.tensor([[t for ids in pieces for t in ids]]), self.device),
