@@ -75,6 +75,35 @@ def test_pieces_served_from_the_host_tier_decode_the_same(deep, tok):
     assert engine.chunks.host_hits > hits
 
 
+def test_rows_splicing_in_one_step_compute_their_pieces_in_one_forward(deep, tok):
+    """Two rows whose hops land in the same step: their blocks are assembled together, the pieces
+    both lack computed in one forward; each row decodes what it decodes alone."""
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    queries = [vocab.marker_token_ids("error E1234 fixed in release"), vocab.marker_token_ids("data loss")]
+    end = 2 + max(len(q) for q in queries)
+    script = {i: {end - len(q): q} for i, q in enumerate(queries)}  # both markers end at the same step
+
+    def run(prompts):
+        opts = EngineOptions(max_iterations=1, max_new_tokens=30, evidence_token_budget=64, top_k=2,
+                             zero_prefill=True, sync_retrieval=True)  # both searches end in the step they start
+        engine = RigEngine(deep, tok, ScriptedRetriever(), opts, extra_processors=[ForceScript(script)])
+        computed = []
+        compute = engine.chunks._compute
+        engine.chunks._compute = lambda pieces: computed.append(len(pieces)) or compute(pieces)
+        seqs = engine.generate([engine.new_sequence(tok.encode(p), seq_id=i) for i, p in prompts])
+        return seqs, computed
+
+    together, computed = run([(0, PROMPTS[0]), (1, PROMPTS[1])])
+    infos = [s.trace.retrieval_steps[0].info["zero_prefill"] for s in together]
+    assert [i["blocks_assembled_together"] for i in infos] == [2, 2]
+    alone = [run([(s.seq_id, PROMPTS[s.seq_id])]) for s in together]
+    for s, (seqs, _) in zip(together, alone):
+        assert seqs[0].token_ids == s.token_ids
+    # One forward for what both blocks lack: more pieces than either block alone, the shared ones once.
+    each = [sum(c) for _, c in alone]
+    assert computed == [infos[0]["piece_misses"]] and max(each) < computed[0] < sum(each)
+
+
 @pytest.mark.parametrize("select", ["tail", "deviation"])
 def test_full_recompute_stages_nothing(model, tok, select):
     seqs, _ = _run(model, tok, zero_prefill=True, recompute=1.0, select=select)

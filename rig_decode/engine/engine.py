@@ -230,7 +230,7 @@ class RigEngine:
         rows = [self.running[i] for i in ready]
         t0 = time.perf_counter()
         spliced = {s.seq_id for s in rows if s.has_evidence_pending}
-        staged = {i: self.running[i].staged_kv for i in ready if self.running[i].staged_kv is not None}
+        staged = self._assemble_staged(ready)
         feed = [s.pending if s.status is RUNNING else [] for s in self.running]
         if staged:
             reselect = {i: self.running[i].staged_reselect for i in staged}
@@ -239,7 +239,7 @@ class RigEngine:
             logits = self.runner.step(feed)
         for s in rows:
             s.pending.clear()
-            s.staged_kv, s.staged_reselect = None, 0
+            s.staged_block, s.staged_reselect = None, 0
         tokens, forced = self._sample(rows, logits[ready])
         done = time.perf_counter()
         dt_ms = (done - t0) * 1e3
@@ -262,6 +262,25 @@ class RigEngine:
         self._park(parked, done)
         self.runner.compact()
         self.num_steps += 1
+
+    def _assemble_staged(self, ready: list[int]) -> dict[int, tuple]:
+        """Row -> staged KV of the zero-prefill blocks about to be spliced, assembled in one call:
+        the pieces any of them lacks are computed together, in one forward (part of each of those
+        rows' hop time)."""
+        rows = [i for i in ready if self.running[i].staged_block is not None]
+        if not rows:
+            return {}
+        hits, misses, t0 = self.chunks.hits, self.chunks.misses, time.perf_counter()
+        kvs = self.chunks.blocks_kv([self.running[i].staged_block for i in rows])
+        kv_ms = (time.perf_counter() - t0) * 1e3
+        for i in rows:
+            s = self.running[i]
+            s.trace.splice_ms += kv_ms
+            step = s.trace.retrieval_steps[-1]
+            step.splice_ms += kv_ms
+            step.info["zero_prefill"].update(piece_hits=self.chunks.hits - hits, piece_misses=self.chunks.misses - misses,
+                                             blocks_assembled_together=len(rows), kv_ms=round(kv_ms, 3))
+        return dict(zip(rows, kvs))
 
     # -- schedule -----------------------------------------------------------------------------------
 
@@ -438,16 +457,11 @@ class RigEngine:
             # tail: the first tokens are reused, the rest fed; deviation: all but the last reused,
             # and the most deviating of them recomputed in place (the runner picks them).
             count = n - recompute if self.opts.zero_prefill_select == "tail" or recompute == n else n - 1
-            if count > 0:
-                hits, t0 = self.chunks.hits, time.perf_counter()
-                s.staged_kv = self.chunks.block_kv(block.token_ids, block.segments, count)
+            if count > 0:  # assembled at the next step, with the other rows splicing then
+                s.staged_block = (block.token_ids, block.segments, count)
                 s.staged_reselect = recompute - (n - count)
-                kv_ms = (time.perf_counter() - t0) * 1e3  # pieces computed on a miss: part of the hop
-                step.splice_ms += kv_ms
-                s.trace.splice_ms += kv_ms
                 step.info["zero_prefill"] = {"reused_tokens": n - recompute, "recomputed_tokens": recompute,
-                                             "select": self.opts.zero_prefill_select,
-                                             "piece_hits": self.chunks.hits - hits, "kv_ms": round(kv_ms, 3)}
+                                             "select": self.opts.zero_prefill_select}
         s.append(block.token_ids, sampled=False)
         s.status, s.query = RUNNING, None
 

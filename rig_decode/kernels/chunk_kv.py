@@ -212,24 +212,37 @@ class ChunkKVStore:
         place in the block, on the host (the runner adds the row's length there, without a device
         sync). A piece cut by ``count`` contributes its first tokens: with causal attention a
         prefix's KV does not depend on what follows it."""
+        return self.blocks_kv([(token_ids, segments, count)])[0]
+
+    def blocks_kv(self, blocks: list[tuple[list[int], list[int], int]]) -> list[tuple[KV, torch.Tensor]]:
+        """``block_kv`` of each ``(token_ids, segments, count)``; the pieces any of them lacks are
+        computed together, in one forward (rows splicing in the same step share it)."""
+        used = [self._pieces(*block) for block in blocks]
+        kvs = iter(self.get_many([ids[a : a + n] for (ids, _, _), pieces in zip(blocks, used) for a, n, _ in pieces]))
+        out = []
+        for pieces in used:
+            parts = [[(k[:, :, :take], v[:, :, :take]) for k, v in next(kvs)] for _, _, take in pieces]
+            shifts = [torch.full((take,), float(a - len(self.prefix))) for a, _, take in pieces]
+            layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
+                      for i in range(len(parts[0]))]
+            out.append((layers, torch.cat(shifts)))
+        return out
+
+    @staticmethod
+    def _pieces(token_ids: list[int], segments: list[int], count: int) -> list[tuple[int, int, int]]:
+        """(first token, length, tokens taken) of each piece the block's first ``count`` tokens use."""
         if sum(segments) != len(token_ids) or min(segments, default=0) < 0:
             raise ValueError(f"segments {segments} must be lengths covering the block's {len(token_ids)} tokens")
         if not 0 < count <= len(token_ids):
             raise ValueError(f"count must be in 1..{len(token_ids)}, got {count}")
-        used: list[tuple[int, int, int]] = []  # (first token, length, tokens taken) of each piece used
-        at = 0
+        used, at = [], 0
         for n in segments:
             if at >= count:
                 break
             if n:  # an empty piece is skipped
                 used.append((at, n, min(n, count - at)))
             at += n
-        kvs = self.get_many([token_ids[a : a + n] for a, n, _ in used])
-        parts = [[(k[:, :, :take], v[:, :, :take]) for k, v in kv] for kv, (_, _, take) in zip(kvs, used)]
-        shifts = [torch.full((take,), float(a - len(self.prefix))) for a, _, take in used]
-        layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
-                  for i in range(len(parts[0]))]
-        return layers, torch.cat(shifts)
+        return used
 
 
 def value_deviation(reused: torch.Tensor, in_context: torch.Tensor) -> torch.Tensor:
