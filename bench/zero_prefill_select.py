@@ -27,8 +27,8 @@ share ``r`` of the block's tokens:
   keeps the KV of layers ``0..L`` the probe computed in context instead of the stored KV (a
   system's probe computes it anyway; the engine overwrites it with the stored KV).
 
-``--piece-prefix system`` computes each piece after the chat prompt's system turn (which every
-prompt starts with) instead of alone (``ChunkKVStore(prefix=)``).
+``--piece-prefix system`` computes each piece after the chat prompt's system turn and the user
+turn's header (which every prompt starts with) instead of alone (``ChunkKVStore(prefix=)``).
 
 ``none`` masks the whole block out but its last token (no evidence: the floor); ``all`` recomputes
 every token, which must reproduce the exact splice (the harness's own check).
@@ -112,7 +112,7 @@ def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: boo
 
 
 def system_turn(tok, spec: MarkerSpec) -> list[int]:
-    """The tokens every case's chat prompt starts with: its system turn."""
+    """The tokens every case's chat prompt starts with: its system turn and the user turn's header."""
     a, b = (build_prompt(tok, q, spec, system=MARKER_ADAPTER_PROMPT) for q in ("a?", "b?"))
     n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     return a[:n]
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-probe-kv", action="store_true",
                     help="also run each deviation@L keeping the probe's in-context KV of layers 0..L (deviation@L+probe)")
     ap.add_argument("--piece-prefix", choices=("none", "system"), default="none",
-                    help="compute each evidence piece alone (none) or after the chat prompt's system turn")
+                    help="compute each evidence piece alone (none) or after what every chat prompt starts with")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)

@@ -210,7 +210,8 @@ class ZeroPrefillConfig(_Section):
     host_store_mb: int = Field(0, ge=0)
     """Bytes of piece KV kept in host memory (pinned, for a GPU model) once ``store_mb`` is full:
     what the device store drops goes there, and a hit there costs a copy to the device instead of
-    a forward. A 32B model's KV is 256 KiB per token, so 256 MB holds a thousand tokens."""
+    a forward. A 32B model's KV is 256 KiB per token: the device's 256 MB hold a thousand tokens
+    of pieces, 8 GB of host memory 32 thousand."""
 
 
 class EngineConfig(_Section):

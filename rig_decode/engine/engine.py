@@ -228,9 +228,9 @@ class RigEngine:
                 self.worker.wait(0.05)
             return
         rows = [self.running[i] for i in ready]
+        staged = self._assemble_staged(ready)  # its time goes to the splicing rows only
         t0 = time.perf_counter()
         spliced = {s.seq_id for s in rows if s.has_evidence_pending}
-        staged = self._assemble_staged(ready)
         feed = [s.pending if s.status is RUNNING else [] for s in self.running]
         if staged:
             reselect = {i: self.running[i].staged_reselect for i in staged}
@@ -265,20 +265,24 @@ class RigEngine:
 
     def _assemble_staged(self, ready: list[int]) -> dict[int, tuple]:
         """Row -> staged KV of the zero-prefill blocks about to be spliced, assembled in one call:
-        the pieces any of them lacks are computed together, in one forward (part of each of those
-        rows' hop time)."""
+        the pieces any of them lacks are computed together, in one forward. Each of those rows'
+        hop waited for that call: its time (``kv_ms``) goes to each row's splice time. Per row, the
+        trace says how many of its block's pieces the store held (``piece_hits``) and how many it
+        had to compute (``piece_misses``, in the shared forward)."""
         rows = [i for i in ready if self.running[i].staged_block is not None]
         if not rows:
             return {}
-        hits, misses, t0 = self.chunks.hits, self.chunks.misses, time.perf_counter()
-        kvs = self.chunks.blocks_kv([self.running[i].staged_block for i in rows])
+        blocks = [self.running[i].staged_block for i in rows]
+        held = [[piece in self.chunks for piece in self.chunks.pieces(*block)] for block in blocks]
+        t0 = time.perf_counter()
+        kvs = self.chunks.blocks_kv(blocks)
         kv_ms = (time.perf_counter() - t0) * 1e3
-        for i in rows:
+        for i, pieces in zip(rows, held):
             s = self.running[i]
             s.trace.splice_ms += kv_ms
             step = s.trace.retrieval_steps[-1]
             step.splice_ms += kv_ms
-            step.info["zero_prefill"].update(piece_hits=self.chunks.hits - hits, piece_misses=self.chunks.misses - misses,
+            step.info["zero_prefill"].update(piece_hits=sum(pieces), piece_misses=len(pieces) - sum(pieces),
                                              blocks_assembled_together=len(rows), kv_ms=round(kv_ms, 3))
         return dict(zip(rows, kvs))
 

@@ -75,8 +75,8 @@ class ChunkKVStore:
     forward, and moves the piece back to the device tier. For a CPU model both tiers are host
     memory: the host tier is only more room.
 
-    ``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn,
-    which every row starts with), at positions ``len(prefix)..``; only the piece's own KV is kept,
+    ``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn and
+    the user turn's header, which every prompt starts with), at positions ``len(prefix)..``; only the piece's own KV is kept,
     and the prefix's KV once, outside the bounds. Without one (the engine's way) a piece is
     computed alone, its first token at position 0."""
 
@@ -93,6 +93,11 @@ class ChunkKVStore:
 
     def __len__(self) -> int:
         return len(self._device_tier.items) + len(self._host_tier.items)
+
+    def __contains__(self, ids: list[int]) -> bool:
+        """Whether either tier holds the piece (without counting a hit or touching its recency)."""
+        key = tuple(ids)
+        return key in self._device_tier.items or key in self._host_tier.items
 
     @property
     def num_bytes(self) -> int:
@@ -227,6 +232,11 @@ class ChunkKVStore:
                       for i in range(len(parts[0]))]
             out.append((layers, torch.cat(shifts)))
         return out
+
+    @classmethod
+    def pieces(cls, token_ids: list[int], segments: list[int], count: int) -> list[list[int]]:
+        """The token ids of each piece the block's first ``count`` tokens use (whole pieces)."""
+        return [token_ids[a : a + n] for a, n, _ in cls._pieces(token_ids, segments, count)]
 
     @staticmethod
     def _pieces(token_ids: list[int], segments: list[int], count: int) -> list[tuple[int, int, int]]:
