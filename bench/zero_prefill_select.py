@@ -208,7 +208,8 @@ def main(argv=None) -> int:
                     help="where the gold document sits in the block: first (as retrieval ranks it) or anywhere")
     ap.add_argument("--probe-layers", default="1", help="layers whose value deviation selects (deviation@L)")
     ap.add_argument("--keep-probe-kv", action="store_true",
-                    help="also run each deviation@L keeping the probe's in-context KV of layers 0..L (deviation@L+probe)")
+                    help="also run each deviation@L keeping the probe's in-context KV of layers 0..L "
+                         "(deviation@L+probe)")
     ap.add_argument("--piece-prefix", choices=("none", "system"), default="none",
                     help="compute each evidence piece alone (none) or after what every chat prompt starts with")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")

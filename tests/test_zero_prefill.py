@@ -127,7 +127,8 @@ def test_assembling_pieces_is_charged_once_to_the_splicing_rows_only(deep, tok, 
         return blocks_kv(blocks)
 
     engine.chunks.blocks_kv = slow
-    spliced, decoding = engine.generate([engine.new_sequence(tok.encode(p), seq_id=i) for i, p in enumerate(PROMPTS[:2])])
+    spliced, decoding = engine.generate([engine.new_sequence(tok.encode(p), seq_id=i)
+                                         for i, p in enumerate(PROMPTS[:2])])
     (hop,) = spliced.trace.retrieval_steps
     assert hop.info["zero_prefill"]["kv_ms"] == hop.splice_ms == spliced.trace.splice_ms == 10_000  # once
     assert not decoding.trace.retrieval_steps and decoding.trace.decode_ms == 0

@@ -76,9 +76,9 @@ class ChunkKVStore:
     memory: the host tier is only more room.
 
     ``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn and
-    the user turn's header, which every prompt starts with), at positions ``len(prefix)..``; only the piece's own KV is kept,
-    and the prefix's KV once, outside the bounds. Without one (the engine's way) a piece is
-    computed alone, its first token at position 0."""
+    the user turn's header, which every prompt starts with), at positions ``len(prefix)..``; only
+    the piece's own KV is kept, and the prefix's KV once, outside the bounds. Without one (the
+    engine's way) a piece is computed alone, its first token at position 0."""
 
     def __init__(self, model, max_bytes: int = 256 << 20, prefix: list[int] | None = None, host_bytes: int = 0):
         if max_bytes < 0 or host_bytes < 0:
