@@ -332,12 +332,11 @@ class Bench:
         does), side by side."""
         n = self.shapes.evidence
         block, segments = random_ids(self.gen, self.vocab, n), evidence_segments(n)
-        starts = [sum(segments[:i]) for i in range(len(segments))]
 
         def each():
             store = ChunkKVStore(self.model)
-            for a, m in zip(starts, segments):
-                store.get(block[a : a + m])
+            for piece in store.pieces(block, segments, n):
+                store.get(piece)
 
         def packed():
             ChunkKVStore(self.model).block_kv(block, segments, n)

@@ -60,7 +60,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rig_decode.config import ModelConfig
-from rig_decode.engine.runner_hf import _attention_implementation, new_cache
+from rig_decode.engine.runner_hf import _attention_implementation, _common_prefix, new_cache
 from rig_decode.eval.metrics import contains_answer
 from rig_decode.eval.synth import generate
 from rig_decode.evidence import EvidenceFormatter
@@ -113,9 +113,7 @@ def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: boo
 
 def system_turn(tok, spec: MarkerSpec) -> list[int]:
     """The tokens every case's chat prompt starts with: its system turn and the user turn's header."""
-    a, b = (build_prompt(tok, q, spec, system=MARKER_ADAPTER_PROMPT) for q in ("a?", "b?"))
-    n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    return a[:n]
+    return _common_prefix([build_prompt(tok, q, spec, system=MARKER_ADAPTER_PROMPT) for q in ("a?", "b?")])
 
 
 @torch.no_grad()

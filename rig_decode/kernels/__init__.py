@@ -90,9 +90,7 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
         return layers
     from .triton_rope import rope_shift_layers_triton_
 
-    rope_shift_layers_triton_(layers, rows, cols, shift, inv_freq)
-    torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
-    return layers
+    return rope_shift_layers_triton_(layers, rows, cols, shift, inv_freq)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

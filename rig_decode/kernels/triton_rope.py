@@ -59,6 +59,7 @@ def rope_shift_layers_triton_(layers: list[torch.Tensor], rows: torch.Tensor, co
         table = to_device(torch.tensor([k.data_ptr() for k in group], dtype=torch.int64), dev)
         _rope_shift_kernel[(n, first.shape[1], len(group))](
             table, group[0], *args, *strides, HALF=half, BLOCK=triton.next_power_of_2(half))
+    torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 
 
