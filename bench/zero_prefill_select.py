@@ -26,6 +26,11 @@ share ``r`` of the block's tokens:
 * ``deviation@L+probe`` (with ``--keep-probe-kv``): the same selection, but every block token
   keeps the KV of layers ``0..L`` the probe computed in context instead of the stored KV (a
   system's probe computes it anyway; the engine overwrites it with the stored KV).
+* ``heads`` (with ``--piece-heads``): each piece's first tokens, round-robin over the pieces (a
+  piece computed alone makes its first token an attention sink; EPIC recomputes the first tokens
+  of each chunk for that reason);
+* ``heads+deviation@L`` (with ``--piece-heads``): each piece's first token, the rest by
+  ``deviation@L``.
 
 ``--piece-prefix system`` computes each piece after the chat prompt's system turn and the user
 turn's header (which every prompt starts with) instead of alone (``ChunkKVStore(prefix=)``).
@@ -39,6 +44,7 @@ greedy continuations identical to the exact one, and the share containing the go
 
     python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
                                         [--probe-layers 1] [--keep-probe-kv] [--piece-prefix none|system]
+                                        [--piece-heads]
                                         [--plot PNG]
 
 Prints a table, then one JSON line; ``--plot`` also draws the identical answers and the extra NLL
@@ -185,7 +191,8 @@ def run_variant(model, ctx_kv, stored_kv, block: list[int], selected: list[int],
     return predict, out
 
 
-def select(rule: str, share: float, m: int, deviation: dict[str, torch.Tensor]) -> list[int]:
+def select(rule: str, share: float, m: int, deviation: dict[str, torch.Tensor],
+           segments: list[int] = ()) -> list[int]:
     """The block tokens ``rule`` recomputes at ``share`` (always the last, which gives the logits)."""
     if rule == "none":
         return [m - 1]
@@ -194,8 +201,27 @@ def select(rule: str, share: float, m: int, deviation: dict[str, torch.Tensor]) 
     k = max(1, math.ceil(share * m))
     if rule == "tail":
         return list(range(m - k, m))
-    order = deviation[rule][: m - 1].argsort(descending=True)[: k - 1].tolist()
+    if rule == "heads":  # the pieces' first tokens, then their second ones, ...
+        order = sorted(range(m - 1), key=lambda t: (t - _piece_start(segments, t), t))[: k - 1]
+        return sorted(order + [m - 1])
+    forced = []
+    if rule.startswith("heads+"):  # each piece's first token, the rest by deviation
+        rule = rule.removeprefix("heads+")
+        forced = sorted({_piece_start(segments, t) for t in range(m - 1)})[: k - 1]
+    score = deviation[rule][: m - 1].clone()
+    score[forced] = float("inf")
+    order = score.argsort(descending=True)[: k - 1].tolist()
     return sorted(order + [m - 1])
+
+
+def _piece_start(segments: list[int], t: int) -> int:
+    """The block column where the piece holding column ``t`` starts."""
+    at = 0
+    for n in segments:
+        if t < at + n:
+            return at
+        at += n
+    raise IndexError(f"column {t} is past the block's {at} tokens")
 
 
 def main(argv=None) -> int:
@@ -210,6 +236,9 @@ def main(argv=None) -> int:
                          "(deviation@L+probe)")
     ap.add_argument("--piece-prefix", choices=("none", "system"), default="none",
                     help="compute each evidence piece alone (none) or after what every chat prompt starts with")
+    ap.add_argument("--piece-heads", action="store_true",
+                    help="also recompute the pieces' first tokens (heads) and those plus deviation@1 "
+                         "(heads+deviation@1)")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)
@@ -218,13 +247,14 @@ def main(argv=None) -> int:
     model, tok = load_model(ModelConfig())
     probe = tuple(int(x) for x in args.probe_layers.split(","))
     return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot,
-                  probe_layers=probe, keep_probe_kv=args.keep_probe_kv, piece_prefix=args.piece_prefix)
+                  probe_layers=probe, keep_probe_kv=args.keep_probe_kv, piece_prefix=args.piece_prefix,
+                  piece_heads=args.piece_heads)
 
 
 @torch.no_grad()
 def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
            spec: MarkerSpec | None = None, plot_path: str | None = None, probe_layers: tuple[int, ...] = (1,),
-           keep_probe_kv: bool = False, piece_prefix: str = "none") -> int:
+           keep_probe_kv: bool = False, piece_prefix: str = "none", piece_heads: bool = False) -> int:
     depth = model.config.num_hidden_layers
     if any(not 0 <= L < depth for L in probe_layers):
         raise ValueError(f"--probe-layers {list(probe_layers)}: the model has layers 0..{depth - 1}")
@@ -237,10 +267,12 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     store = ChunkKVStore(model, max_bytes=1 << 30, prefix=prefix)
     stop = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t not in (None, tok.unk_token_id)}
     kept = ("", "+probe") if keep_probe_kv else ("",)
-    rules = ("tail", *(f"deviation@{L}{k}" for L in probe_layers for k in kept), "deviation@all")
+    heads = ("heads", *(f"heads+deviation@{L}" for L in probe_layers)) if piece_heads else ()
+    rules = ("tail", *(f"deviation@{L}{k}" for L in probe_layers for k in kept), *heads, "deviation@all")
     variants = [("none", 0.0), *((r, s) for s in shares for r in rules), ("all", 1.0)]
     stats = {v: {"agree": 0, "nll": 0.0, "same": 0, "gold": 0, "recomputed": 0} for v in variants}
     exact_gold = predicted = 0
+    head_ranks: dict[int, list[int]] = {L: [] for L in probe_layers}
     for i, case in enumerate(cases):
         c, m = len(case.context), len(case.block)
         cache = new_cache(model.config)
@@ -255,7 +287,12 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
             if nxt in stop:
                 break
             nxt = int(_forward(model, [nxt], [c + m + t], cache)[-1].argmax())
-        exact_tf = torch.cat([logits, _exact_tf(model, ctx_kv, case, cont)])
+        # Its logits over that continuation, teacher-forced as the variants' are.
+        for layer in cache.layers:
+            layer.truncate(c + m)
+        n_tf = len(cont) - 1
+        exact_tf = torch.cat([logits, _forward(model, cont[:-1], list(range(c + m, c + m + n_tf)), cache)
+                              if n_tf else logits[:0]])
         exact_gold += contains_answer(tok.decode(cont, skip_special_tokens=True), case.answers)
         # The block's pieces computed alone, keys moved to their positions in this context.
         kv, shift = store.block_kv(case.block, case.segments, m)
@@ -266,11 +303,16 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
             stored.append((k, v))
         dev = torch.stack([value_deviation(v, ref) for (_, v), (_, ref) in zip(stored, in_context)])  # [layers, m]
         deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}
+        if piece_heads:  # where the pieces' first tokens rank by deviation (0: the most deviating)
+            starts = sorted({_piece_start(case.segments, t) for t in range(m - 1)})
+            for L in probe_layers:
+                order = deviation[f"deviation@{L}"][: m - 1].argsort(descending=True).tolist()
+                head_ranks[L].append(max(order.index(t) for t in starts))
         probed = {f"deviation@{L}+probe": in_context[: L + 1] + stored[L + 1 :] for L in probe_layers}
         target = torch.tensor(cont)
         ref_lp = exact_tf.log_softmax(-1)[torch.arange(len(cont)), target]
         for rule, share in variants:
-            chosen = select(rule.removesuffix("+probe"), share, m, deviation)
+            chosen = select(rule.removesuffix("+probe"), share, m, deviation, case.segments)
             pred, out = run_variant(model, ctx_kv, probed.get(rule, stored), case.block, chosen, cont)
             lp = pred.log_softmax(-1)[torch.arange(len(cont)), target]
             s = stats[(rule, share)]
@@ -297,11 +339,17 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     for name, r in rows.items():
         print(f"| {name} | {r['recomputed_pct']:.1f}% | {r['top1_agreement_pct']:.1f}% | "
               f"{r['extra_nll_per_token']:.3f} | {r['identical_pct']:.1f}% | {r['gold_answer_pct']:.1f}% |")
+    worst_head = {f"deviation@{L}": max(r) for L, r in head_ranks.items() if r}
+    for rule, rank in worst_head.items():
+        print(f"\n{rule} ranks every piece's first token among the block's {rank + 1} most deviating tokens "
+              f"(the worst of {n} blocks of {min(len(c.block) for c in cases)}-{max(len(c.block) for c in cases)} "
+              "tokens)")
     if plot_path:
         plot(rows, shares, rules, plot_path, f"{n} held-out 1-hop questions, gold document "
              f"{'first' if gold_first else 'anywhere'}; exact splice: {100 * exact_gold / n:.0f}% right")
     print(json.dumps({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
                       **({"piece_prefix": piece_prefix} if prefix else {}),
+                      **({"piece_heads_worst_rank": worst_head} if worst_head else {}),
                       "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
                       "elapsed_s": round(time.perf_counter() - t0, 1)}))
     return 0
@@ -330,17 +378,6 @@ def plot(rows: dict[str, dict], shares: list[float], rules: tuple[str, ...], pat
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-@torch.no_grad()
-def _exact_tf(model, ctx_kv, case: Case, cont: list[int]) -> torch.Tensor:
-    """The exact splice's logits over its own continuation (teacher-forced, plain causal path)."""
-    c, m = len(case.context), len(case.block)
-    cache = _cache(model.config, [(k.clone(), v.clone()) for k, v in ctx_kv])
-    last = _forward(model, case.block, list(range(c, c + m)), cache)[-1:]
-    if len(cont) == 1:
-        return last[:0]
-    return _forward(model, cont[:-1], list(range(c + m, c + m + len(cont) - 1)), cache)
 
 
 if __name__ == "__main__":

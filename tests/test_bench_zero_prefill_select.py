@@ -82,6 +82,29 @@ def test_selections(rule, expected):
     assert bench.select(rule, 0.3, 10, deviation) == expected
 
 
+@pytest.mark.parametrize("rule,share,expected", [
+    ("heads", 0.5, [0, 1, 3, 7, 9]),  # pieces of 3, 4, 3 tokens: their first tokens, then second ones
+    ("heads", 0.3, [0, 3, 9]),
+    ("heads+deviation@1", 0.5, [0, 2, 3, 7, 9]),  # 0, 3, 7 forced, then the largest deviation (2)
+    ("heads+deviation@1", 0.2, [0, 9]),  # fewer slots than pieces: the first pieces' heads
+])
+def test_piece_head_selections(rule, share, expected):
+    deviation = {"deviation@1": torch.tensor([0.1, 0.0, 0.9, 0.2, 0.3, 0.8, 0.0, 0.1, 0.2, 5.0])}
+    assert bench.select(rule, share, 10, deviation, segments=[3, 4, 3]) == expected
+
+
+def test_piece_heads_rows(tok_special, capsys):
+    model = tiny_model(len(tok_special), seed=3)
+    assert bench.report(model, tok_special, examples=2, shares=[0.5], tokens=4, piece_heads=True) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    variants = result["variants"]
+    assert {"heads@0.5", "heads+deviation@1@0.5"} <= set(variants)
+    rank = result["piece_heads_worst_rank"]["deviation@1"]
+    assert rank >= 4 and any(f"among the block's {rank + 1} most deviating" in line for line in out)  # 5+ pieces
+    assert variants["heads@0.5"]["recomputed_pct"] == variants["tail@0.5"]["recomputed_pct"]
+
+
 def test_a_probe_layer_the_model_lacks_is_refused(tok_special):
     with pytest.raises(ValueError, match="the model has layers 0..1"):
         bench.report(tiny_model(len(tok_special)), tok_special, examples=1, shares=[0.5], tokens=4, probe_layers=(2,))

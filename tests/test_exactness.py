@@ -317,6 +317,29 @@ def test_a_row_leaving_leaves_the_cache_as_wide_as_the_longest_row():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_keeping_a_row_the_batch_lacks_is_refused_before_anything_changes():
+    """``select`` with a row past the batch (the layers' buffers have a spare row there after a
+    join) or a negative one raises, and every row still computes exactly what a fresh prefill does."""
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    from .helpers import tiny_model
+
+    model = tiny_model(600)
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([[5, 6, 7], [8, 9, 10]])
+    joined = runner.add_rows([[11, 12, 13]], share_prefix=False)[0]
+    runner.step([[1], [2], joined])
+    for keep in ([0, 3], [-1, 1], [0, 1.0]):
+        with pytest.raises(ValueError, match=r"cannot keep rows .*: the batch has rows 0..2"):
+            runner.select(keep)
+        assert runner.batch_size == 3 and runner.lengths == [4, 4, 3]
+    logits = runner.step([[3], [4], [5]])
+    for got, ids in zip(logits, ([5, 6, 7, 1, 3], [8, 9, 10, 2, 4], [11, 12, 13, 5])):
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_rows_join_a_cache_that_holds_no_column_yet():
     """A row that joined is cancelled before its first step and the rows left have fed nothing
     either (the cache has spare rows but no columns); more rows join, and the first step computes

@@ -12,7 +12,7 @@ from rig_decode.config import ConfigError, RigConfig
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
-from .helpers import ForceScript, ScriptedRetriever, one_layer_model
+from .helpers import ForceScript, ScriptedRetriever, one_layer_model, tiny_model
 from .test_exactness import PROMPTS, _script
 
 
@@ -100,6 +100,21 @@ def test_summary_needs_an_in_process_runner(tok):
         RigEngine(None, tok, None, EngineOptions(append_format="summary"), runner=NoEvict())
     with pytest.raises(ValueError, match="full or summary"):
         RigEngine(None, tok, None, EngineOptions(append_format="short"), runner=NoEvict())
+
+
+@pytest.mark.parametrize("options", [dict(append_format="summary"), dict(zero_prefill=True)])
+def test_keys_that_cannot_be_re_rotated_are_refused_when_the_engine_is_built(tok, options):
+    """Summary mode and zero-prefill move cached keys to other positions: a model whose rotary
+    embedding cannot be re-rotated is refused up front, not by an error at its first hop."""
+    model = tiny_model(len(tok))
+    model.model.rotary_emb.rope_type = "dynamic"
+    what = "zero_prefill" if "zero_prefill" in options else "append_format: summary"
+    with pytest.raises(ValueError, match=f"{what} re-rotates cached keys: rope type 'dynamic'"):
+        RigEngine(model, tok, None, EngineOptions(**options))
+    model.config.head_dim = 32  # twice what its rotary embedding covers
+    model.model.rotary_emb.rope_type = "default"
+    with pytest.raises(ValueError, match="covers 16 of head_dim 32 \\(partial rotary\\)"):
+        RigEngine(model, tok, None, EngineOptions(**options))
 
 
 def test_zero_prefill_and_summary_come_from_the_config():

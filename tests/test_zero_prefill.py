@@ -263,7 +263,7 @@ def test_the_host_tier_keeps_what_the_device_tier_pushes_out(tok, device):
         ChunkKVStore(model, host_bytes=-1)
 
 
-def test_bad_staged_kv_is_refused_before_anything_changes(model):
+def test_bad_staged_kv_is_refused_before_anything_changes(model, monkeypatch):
     """Each malformed staging raises an error that names the problem, and the row is left as it
     was: the next plain step still computes exactly what a fresh prefill does."""
     runner = HFModelRunner(model, pad_id=0)
@@ -284,6 +284,11 @@ def test_bad_staged_kv_is_refused_before_anything_changes(model):
     for staged, rows, message in cases:
         with pytest.raises(ValueError, match=message):
             runner.step([rows], staged=staged)
+        assert (runner.lengths, runner.num_columns) == ([4], 4)
+    with monkeypatch.context() as m:  # keys that cannot be re-rotated: refused before the marker is fed
+        m.setattr(model.model.rotary_emb, "rope_type", "dynamic")
+        with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+            runner.step([feed], staged={0: (kv(), torch.zeros(3))})
         assert (runner.lengths, runner.num_columns) == ([4], 4)
     logits = runner.step([[9]])
     with torch.no_grad():

@@ -41,6 +41,7 @@ import torch
 from ..citations import CitationProcessor, trace_docs
 from ..evidence import EvidenceFormatter, number_hits
 from ..gate import GateProcessor, GateSettings
+from ..kernels import rotary_inv_freq
 from ..kernels.chunk_kv import ChunkKVStore
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
@@ -121,7 +122,8 @@ class RigEngine:
         self.chunks = None
         if options.zero_prefill:
             if model is None or not isinstance(self.runner, HFModelRunner):
-                raise ValueError("zero_prefill copies precomputed KV into the cache: it needs the in-process (hf) backend")
+                raise ValueError("zero_prefill copies precomputed KV into the cache: "
+                                 "it needs the in-process (hf) backend")
             if not 0.0 <= options.zero_prefill_recompute <= 1.0:
                 raise ValueError(f"zero_prefill_recompute must be in [0, 1], got {options.zero_prefill_recompute}")
             if options.zero_prefill_select not in ("tail", "deviation"):
@@ -130,6 +132,12 @@ class RigEngine:
         if options.append_format == "summary" and not hasattr(self.runner, "evict"):
             raise ValueError(f"append_format: summary drops evidence from the KV cache, which "
                              f"{type(self.runner).__name__} cannot do; use the in-process (hf) backend")
+        if model is not None and (options.zero_prefill or options.append_format == "summary"):
+            try:  # both move cached keys to other positions: refused now, not at the first hop
+                rotary_inv_freq(model)
+            except ValueError as e:
+                what = "zero_prefill" if options.zero_prefill else "append_format: summary"
+                raise ValueError(f"{what} re-rotates cached keys: {e}") from None
         self.runner.reset(0)
         self.processors = [
             *extra_processors,

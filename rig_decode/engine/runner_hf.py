@@ -528,8 +528,9 @@ class HFModelRunner:
             if i not in widths or not isinstance(k, int) or not 0 <= k <= widths[i]:
                 raise ValueError(f"row {i} reselects {k!r} tokens; it stages {widths.get(i, 0)}")
         reselect = {i: k for i, k in reselect.items() if k}
+        self._rope_inv_freq()  # checked before anything is fed: the staged keys are re-rotated
         if reselect:
-            self._decoder_layers()  # checked before anything is fed
+            self._decoder_layers()
         # A joining row's prompt is whole in the cache only after the last of the steps below.
         capture, self._capture = self._capture, {}
         logits = self.step([r[:1] for r in rows])
@@ -784,6 +785,8 @@ class HFModelRunner:
         """Keep only these rows (finished ones leave the batch and free their cache)."""
         if keep == list(range(self.batch_size)):
             return
+        if any(not isinstance(i, int) or not 0 <= i < self.batch_size for i in keep):
+            raise ValueError(f"cannot keep rows {keep}: the batch has rows 0..{self.batch_size - 1}")
         self._capture.clear()
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if keep and self.cache.get_seq_length():

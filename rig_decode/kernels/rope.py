@@ -95,4 +95,11 @@ def rotary_inv_freq(model) -> torch.Tensor:
     kind = getattr(rotary, "rope_type", "default")
     if kind not in ("default", "linear", "llama3", "yarn"):  # fixed frequencies; "dynamic" rescales
         raise ValueError(f"rope type {kind!r} is not supported by KV re-rotation")
-    return rotary.inv_freq.detach().to(torch.float32)
+    inv_freq = rotary.inv_freq.detach().to(torch.float32)
+    config = getattr(model, "config", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads if hasattr(config, "num_attention_heads") else None)
+    if head_dim is not None and 2 * inv_freq.numel() != head_dim:
+        raise ValueError(f"the rotary embedding covers {2 * inv_freq.numel()} of head_dim {head_dim} "
+                         "(partial rotary): KV re-rotation rotates whole heads")
+    return inv_freq
