@@ -335,8 +335,8 @@ class Bench:
 
         def each():
             store = ChunkKVStore(self.model)
-            for piece in store.pieces(block, segments, n):
-                store.get(piece)
+            for lead, ids in store.pieces(block, segments, n):
+                store.get(ids, lead)
 
         def packed():
             ChunkKVStore(self.model).block_kv(block, segments, n)

@@ -32,11 +32,17 @@ share ``r`` of the block's tokens:
 * ``heads+deviation@L`` (with ``--piece-heads``): each piece's first token, the rest by
   ``deviation@L``.
 
+The block's pieces are the engine's: its head, per document its number ``[n]`` and its text
+(computed after ``[1]``, so that it is reused under any number), its tail. ``--doc-pieces alone``
+computes a document's text alone instead, ``--doc-pieces line`` its number and text as one piece
+(reused only under the same number).
+
 ``--piece-prefix system`` computes each piece after the chat prompt's system turn and the user
 turn's header (which every prompt starts with) instead of alone (``ChunkKVStore(prefix=)``).
 
-``none`` masks the whole block out but its last token (no evidence: the floor); ``all`` recomputes
-every token, which must reproduce the exact splice (the harness's own check).
+``none`` recomputes the last token only (zero-prefill with nothing else recomputed: the floor of
+every selection); ``all`` recomputes every token, which must reproduce the exact splice (the
+harness's own check).
 
 Per variant: agreement of the greedy next token with the exact splice's along its continuation
 (teacher-forced), the mean extra negative log-likelihood of that continuation, the share of
@@ -44,7 +50,7 @@ greedy continuations identical to the exact one, and the share containing the go
 
     python bench/zero_prefill_select.py [--examples 60] [--shares 0.1,0.25,0.5] [--gold first|random]
                                         [--probe-layers 1] [--keep-probe-kv] [--piece-prefix none|system]
-                                        [--piece-heads]
+                                        [--piece-heads] [--doc-pieces lead|alone|line]
                                         [--plot PNG]
 
 Prints a table, then one JSON line; ``--plot`` also draws the identical answers and the extra NLL
@@ -94,6 +100,8 @@ class Case:
     block: list[int]
     segments: list[int]
     answers: list[str]
+    documents: int  # in the block
+    leads: list[list[int]]  # per piece (``EvidenceBlock.leads``)
 
 
 def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: bool = True) -> list[Case]:
@@ -113,7 +121,7 @@ def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: boo
         picked = [docs[i] for i in others]
         picked.insert(0 if gold_first else rng.randrange(len(picked) + 1), gold)
         block = fmt.render_block([Hit(d["id"], d["text"], 1.0, d["title"]) for d in picked], hop=1)
-        cases.append(Case(q.question, block.token_ids, block.segments, [q.answer]))
+        cases.append(Case(q.question, block.token_ids, block.segments, [q.answer], len(block.doc_ids), block.leads))
     return cases
 
 
@@ -214,6 +222,23 @@ def select(rule: str, share: float, m: int, deviation: dict[str, torch.Tensor],
     return sorted(order + [m - 1])
 
 
+def doc_pieces(case: Case, how: str) -> tuple[list[int], list[list[int]] | None]:
+    """The block's pieces and their leads: as the engine has them (``lead``: a document's number
+    alone, its text after ``[1]``), without the leads (``alone``), or each document's number and
+    text as one piece (``line``)."""
+    if how == "lead":
+        return case.segments, case.leads
+    if how == "alone":
+        return case.segments, None
+    segments = []
+    for n, lead in zip(case.segments, case.leads):
+        if lead:  # a document's text: one piece with its number before it
+            segments[-1] += n
+        else:
+            segments.append(n)
+    return segments, None
+
+
 def _piece_start(segments: list[int], t: int) -> int:
     """The block column where the piece holding column ``t`` starts."""
     at = 0
@@ -239,6 +264,9 @@ def main(argv=None) -> int:
     ap.add_argument("--piece-heads", action="store_true",
                     help="also recompute the pieces' first tokens (heads) and those plus deviation@1 "
                          "(heads+deviation@1)")
+    ap.add_argument("--doc-pieces", choices=("lead", "alone", "line"), default="lead",
+                    help="a document's text computed after [1] (lead: the engine's), alone, or in one piece "
+                         "with its number (line)")
     ap.add_argument("--plot", help="also draw identical answers and extra NLL vs the share recomputed into this PNG")
     ap.add_argument("--tokens", type=int, default=24, help="longest answer generated (it ends at the end of the turn)")
     args = ap.parse_args(argv)
@@ -248,13 +276,14 @@ def main(argv=None) -> int:
     probe = tuple(int(x) for x in args.probe_layers.split(","))
     return report(model, tok, args.examples, shares, args.tokens, gold_first=args.gold == "first", plot_path=args.plot,
                   probe_layers=probe, keep_probe_kv=args.keep_probe_kv, piece_prefix=args.piece_prefix,
-                  piece_heads=args.piece_heads)
+                  piece_heads=args.piece_heads, pieces=args.doc_pieces)
 
 
 @torch.no_grad()
 def report(model, tok, examples: int, shares: list[float], tokens: int, gold_first: bool = True,
            spec: MarkerSpec | None = None, plot_path: str | None = None, probe_layers: tuple[int, ...] = (1,),
-           keep_probe_kv: bool = False, piece_prefix: str = "none", piece_heads: bool = False) -> int:
+           keep_probe_kv: bool = False, piece_prefix: str = "none", piece_heads: bool = False,
+           pieces: str = "lead") -> int:
     depth = model.config.num_hidden_layers
     if any(not 0 <= L < depth for L in probe_layers):
         raise ValueError(f"--probe-layers {list(probe_layers)}: the model has layers 0..{depth - 1}")
@@ -295,7 +324,8 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
                               if n_tf else logits[:0]])
         exact_gold += contains_answer(tok.decode(cont, skip_special_tokens=True), case.answers)
         # The block's pieces computed alone, keys moved to their positions in this context.
-        kv, shift = store.block_kv(case.block, case.segments, m)
+        segments, leads = doc_pieces(case, pieces)
+        kv, shift = store.block_kv(case.block, segments, m, leads)
         stored = []
         for k, v in kv:
             k = k.clone()
@@ -304,7 +334,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         dev = torch.stack([value_deviation(v, ref) for (_, v), (_, ref) in zip(stored, in_context)])  # [layers, m]
         deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}
         if piece_heads:  # where the pieces' first tokens rank by deviation (0: the most deviating)
-            starts = sorted({_piece_start(case.segments, t) for t in range(m - 1)})
+            starts = sorted({_piece_start(segments, t) for t in range(m - 1)})
             for L in probe_layers:
                 order = deviation[f"deviation@{L}"][: m - 1].argsort(descending=True).tolist()
                 head_ranks[L].append(max(order.index(t) for t in starts))
@@ -312,7 +342,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         target = torch.tensor(cont)
         ref_lp = exact_tf.log_softmax(-1)[torch.arange(len(cont)), target]
         for rule, share in variants:
-            chosen = select(rule.removesuffix("+probe"), share, m, deviation, case.segments)
+            chosen = select(rule.removesuffix("+probe"), share, m, deviation, segments)
             pred, out = run_variant(model, ctx_kv, probed.get(rule, stored), case.block, chosen, cont)
             lp = pred.log_softmax(-1)[torch.arange(len(cont)), target]
             s = stats[(rule, share)]
@@ -331,7 +361,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
                            "gold_answer_pct": round(100 * st["gold"] / n, 1)}
             for (r, s), st in stats.items()}
     print(f"{n} held-out 1-hop questions, gold document {'first' if gold_first else 'at a random place'} of "
-          f"{len(cases[0].segments) - 2 if cases else 0}; exact splice: {100 * exact_gold / n:.1f}% of answers "
+          f"{cases[0].documents if cases else 0}; exact splice: {100 * exact_gold / n:.1f}% of answers "
           "contain the gold answer\n")
     print("| recompute | share of block recomputed | next-token agreement with exact | extra NLL / token | "
           "identical continuation | gold answer |")
@@ -348,7 +378,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         plot(rows, shares, rules, plot_path, f"{n} held-out 1-hop questions, gold document "
              f"{'first' if gold_first else 'anywhere'}; exact splice: {100 * exact_gold / n:.0f}% right")
     print(json.dumps({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
-                      **({"piece_prefix": piece_prefix} if prefix else {}),
+                      **({"piece_prefix": piece_prefix} if prefix else {}), "doc_pieces": pieces,
                       **({"piece_heads_worst_rank": worst_head} if worst_head else {}),
                       "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
                       "elapsed_s": round(time.perf_counter() - t0, 1)}))

@@ -5,7 +5,11 @@ as they are) and fits a token budget: documents are added best first, the one th
 budget is cut at a token boundary and marked with an ellipsis, the rest are dropped. Documents are
 numbered so answers can cite them, across a sequence's hops and a conversation's turns
 (``number_hits``): a document keeps its number, a new one gets the next, so ``[n]`` names one
-document throughout. The same hits always give the same token ids.
+document throughout. The same hits always give the same token ids. A document's number and its
+text are tokenised apart, so its text has the same tokens under any number (``segments`` marks the
+pieces, ``leads`` what zero-prefill computes each after: ``[1]`` for a text, so that its KV is
+reused under any number); a tokenizer that would tokenise a probe line differently so keeps each
+line whole (byte-level BPE tokenizers, the targets here, give the whole line's tokens).
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ class EvidenceBlock:
     shown: list[str] = field(default_factory=list)
     """Per rendered document, the text the block shows of it (cut where the budget cut it)."""
     segments: list[int] = field(default_factory=list)
-    """Lengths of the separately tokenised pieces ``token_ids`` is made of (head, one per document
-    line, tail): each piece's KV can be computed alone and reused (``kernels/chunk_kv.py``)."""
+    """Lengths of the separately tokenised pieces ``token_ids`` is made of (head, per document its
+    number ``[n]`` and its text, tail): each piece's KV can be computed alone and reused
+    (``kernels/chunk_kv.py``), a document's text whatever number it has."""
+    leads: list[list[int]] = field(default_factory=list)
+    """Per piece, the tokens its KV is computed after, not kept (empty: alone; no list: none has
+    one): a document's text is computed after ``[1]``, as it would be under number 1."""
 
 
 def number_hits(hits: list[Hit], known: dict[str, int]) -> list[int]:
@@ -52,6 +60,11 @@ class EvidenceFormatter:
         self._tail = self._encode("</evidence>\n")
         self._ellipsis = self._encode(" …\n")
         self._empty = self._encode(NO_EVIDENCE + "\n")
+        # A document's number is a piece of its own, so the text's piece is the same under any
+        # number; unless this tokenizer would tokenise the line differently whole.
+        probe = "[1] Title: some text.\n"
+        self._number_apart = self._encode("[1]") + self._encode(probe[3:]) == self._encode(probe)
+        self._text_lead = self._encode("[1]") if self._number_apart else []
         if budget < self.min_budget:
             raise ValueError(f"evidence_token_budget {budget} cannot hold even an empty evidence block "
                              f"({self.min_budget} tokens)")
@@ -86,7 +99,7 @@ class EvidenceFormatter:
             raise ValueError(f"{budget} tokens cannot hold an evidence block")
         room = budget - len(self._head) - len(self._tail)
         body: list[int] = []
-        pieces: list[int] = []
+        pieces: list[tuple[int, list[int]]] = []  # (length, lead)
         lines: list[str] = []
         doc_ids: list[str] = []
         shown: list[str] = []
@@ -96,27 +109,37 @@ class EvidenceFormatter:
             title = f"{hit.title}: " if hit.title else ""
             text = " ".join(hit.text.split())
             line = f"[{n}] {title}{text}\n"
-            ids = self._encode(line)
+            if self._number_apart:
+                number, rest = self._encode(f"[{n}]"), self._encode(line[len(f"[{n}]"):])
+                ids, parts = number + rest, [(len(number), []), (len(rest), self._text_lead)]
+            else:
+                ids = self._encode(line)
+                parts = [(len(ids), [])]
             if len(ids) > room:
                 keep = room - len(self._ellipsis)
                 if keep >= _MIN_DOC_TOKENS:
                     ids = ids[:keep] + self._ellipsis
                     line = self.tokenizer.decode(ids[:keep]) + " …\n"
                     body += ids
-                    pieces += [keep, len(self._ellipsis)]
+                    for length, lead in parts:  # the pieces of the tokens kept, then the ellipsis
+                        if keep > 0:
+                            pieces.append((min(length, keep), lead))
+                        keep -= length
+                    pieces.append((len(self._ellipsis), []))
                     lines.append(line)
                     doc_ids.append(hit.doc_id)
                     shown.append(line[len(f"[{n}] {title}"):].rstrip("\n"))
                 truncated = True
                 break
             body += ids
-            pieces.append(len(ids))
+            pieces += parts
             room -= len(ids)
             lines.append(line)
             doc_ids.append(hit.doc_id)
             shown.append(text)
         if not body:
-            body, pieces, lines = list(self._empty), [len(self._empty)], [NO_EVIDENCE + "\n"]
+            body, pieces, lines = list(self._empty), [(len(self._empty), [])], [NO_EVIDENCE + "\n"]
         text = "\n<evidence>\n" + "".join(lines) + "</evidence>\n"
+        pieces = [(len(self._head), []), *pieces, (len(self._tail), [])]
         return EvidenceBlock(self._head + body + self._tail, text, doc_ids, truncated, shown,
-                             [len(self._head), *pieces, len(self._tail)])
+                             [n for n, _ in pieces], [lead for _, lead in pieces])

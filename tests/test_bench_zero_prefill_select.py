@@ -37,7 +37,7 @@ def test_recomputing_every_token_is_the_exact_splice(tok_special, capsys, tmp_pa
     for s in (0.25, 0.5):
         shares = {variants[f"{r}@{s}"]["recomputed_pct"] for r in ("tail", "deviation@1", "deviation@all")}
         assert len(shares) == 1 and 100 * s <= shares.pop() < 100 * s + 5  # equal budgets, rounded up
-    assert variants["none@0"]["extra_nll_per_token"] > 0.01  # masking the evidence out changes the answer
+    assert variants["none@0"]["extra_nll_per_token"] > 0.01  # the stored KV alone changes the answer
 
 
 def test_with_one_layer_every_selection_is_exact(tok_special, capsys):

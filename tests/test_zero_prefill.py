@@ -89,7 +89,7 @@ def test_rows_splicing_in_one_step_compute_their_pieces_in_one_forward(deep, tok
         engine = RigEngine(deep, tok, ScriptedRetriever(), opts, extra_processors=[ForceScript(script)])
         computed = []
         compute = engine.chunks._compute
-        engine.chunks._compute = lambda pieces: computed.append(len(pieces)) or compute(pieces)
+        engine.chunks._compute = lambda pieces: computed.append([len(ids) for _, ids in pieces]) or compute(pieces)
         seqs = engine.generate([engine.new_sequence(tok.encode(p), seq_id=i) for i, p in prompts])
         return seqs, computed
 
@@ -99,10 +99,12 @@ def test_rows_splicing_in_one_step_compute_their_pieces_in_one_forward(deep, tok
     alone = [run([(s.seq_id, PROMPTS[s.seq_id])]) for s in together]
     for s, (seqs, _) in zip(together, alone):
         assert seqs[0].token_ids == s.token_ids
-    each = [sum(c) for _, c in alone]
+    each = [sum(map(len, calls)) for _, calls in alone]  # pieces computed, alone
+    tokens = [sum(map(sum, calls)) for _, calls in alone]
     assert [i["piece_misses"] for i in infos] == each and [i["piece_hits"] for i in infos] == [0, 0]
+    assert [i["piece_tokens_computed"] for i in infos] == tokens
     # One forward for what both blocks lack: more pieces than either block alone, the shared ones once.
-    assert len(computed) == 1 and max(each) < computed[0] < sum(each)
+    assert len(computed) == 1 and max(each) < len(computed[0]) < sum(each)
 
 
 def test_assembling_pieces_is_charged_once_to_the_splicing_rows_only(deep, tok, monkeypatch):
@@ -146,7 +148,7 @@ def test_block_kv_matches_pieces_and_store_is_bounded(model, tok):
     fmt = EvidenceFormatter(tok, 64)
     hits = [Hit("a", "Release 4.2.1 fixed error E1234.", 1.0), Hit("b", "Priya Raman approved it.", 0.9)]
     block = fmt.render_block(hits, 1)
-    assert sum(block.segments) == len(block.token_ids) and len(block.segments) == 4
+    assert sum(block.segments) == len(block.token_ids) and len(block.segments) == 6  # head, 2 x (number, text), tail
     store = ChunkKVStore(model)
     kv, shifts = store.block_kv(block.token_ids, block.segments, len(block.token_ids) - 3)
     assert kv[0][0].shape[2] == len(block.token_ids) - 3 == shifts.numel()
@@ -168,6 +170,31 @@ def test_block_kv_matches_pieces_and_store_is_bounded(model, tok):
     gapped, gapped_shifts = store.block_kv(block.token_ids, [block.segments[0], 0, *block.segments[1:]], 9)
     torch.testing.assert_close(gapped_shifts, store.block_kv(block.token_ids, block.segments, 9)[1])
     assert gapped[0][0].shape[2] == 9
+
+
+def test_a_documents_text_is_computed_once_under_any_number(deep, tok):
+    """A document's text is one piece, computed after ``[1]``: under number 1 its KV is that of
+    the whole line computed alone; under another number the store hands out the same KV, and a
+    block of documents already seen, in another order, computes no piece at all."""
+    fmt = EvidenceFormatter(tok, 200)
+    hits = [Hit("a", "Release 4.2.1 fixed error E1234.", 1.0), Hit("b", "Priya Raman approved it.", 0.9)]
+    first, swapped = fmt.render_block(hits, 1), fmt.render_block(hits[::-1], 1)
+    store = ChunkKVStore(deep)
+    head, number, text = first.segments[:3]
+    assert first.leads[:3] == [[], [], tok.encode("[1]", add_special_tokens=False)]
+    line = store.get(first.token_ids[head : head + number + text])  # "[1] Release ..." alone
+    led = store.get(first.token_ids[head + number : head + number + text], first.leads[2])
+    for (k, v), (k1, v1) in zip(led, line):
+        torch.testing.assert_close(k, k1[:, :, number:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v1[:, :, number:], atol=1e-5, rtol=1e-5)
+    kv, shifts = store.block_kv(first.token_ids, first.segments, len(first.token_ids), first.leads)
+    assert shifts[head + number] == head + number - len(first.leads[2])  # from its place after its lead
+    misses = store.misses
+    again, _ = store.block_kv(swapped.token_ids, swapped.segments, len(swapped.token_ids), swapped.leads)
+    assert store.misses == misses and swapped.token_ids != first.token_ids
+    b_first = head + sum(first.segments[1:4])  # document b's text, second in the first block
+    torch.testing.assert_close(again[1][1][:, :, head + number : head + number + swapped.segments[2]],
+                               kv[1][1][:, :, b_first : b_first + swapped.segments[2]])
 
 
 def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
@@ -199,24 +226,28 @@ def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
 @pytest.mark.parametrize("prefix", [None, [5, 6, 7, 8]])
 def test_missing_pieces_are_computed_together_in_one_forward(tok, attention, prefix):
     """The pieces a block lacks go through the model in one forward, packed without padding,
-    each attending to the prefix and itself only: the same KV as each piece computed on its own."""
+    each attending to the prefix, its lead and itself only: the same KV as each piece computed on
+    its own after the prefix and its lead."""
     model = tiny_model(len(tok), seed=7, layers=3)
     model.set_attn_implementation(attention)
     gen = torch.Generator().manual_seed(8)
-    pieces = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 9, 1, 6)]
-    pieces.append(pieces[0])  # a piece twice: computed once
+    ids = [tuple(torch.randint(3, 200, (n,), generator=gen).tolist()) for n in (3, 9, 1, 6)]
+    lead = tuple(torch.randint(3, 200, (2,), generator=gen).tolist())
+    pieces = [((), ids[0]), (lead, ids[1]), ((), ids[2]), (lead, ids[3]), ((), ids[0])]  # one twice: computed once
+    pieces.append((lead, ids[0]))  # the same ids after a lead: another piece
     forwards = []
     hook = model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         store = ChunkKVStore(model, prefix=prefix)
-        store.get(pieces[1])  # already held: not computed again
+        store.get(ids[1], lead)  # already held: not computed again
         before = len(forwards)
         got = store.get_many(pieces)
     finally:
         hook.remove()
-    assert len(forwards) - before == 1 and (store.misses, store.hits) == (4, 2) and len(store) == 4
-    for ids, kv in zip(pieces, got):
-        alone = ChunkKVStore(model, prefix=prefix).get(ids)
+    assert len(forwards) - before == 1 and (store.misses, store.hits) == (5, 2) and len(store) == 5
+    assert (lead, ids[3]) in store and ((), ids[3]) not in store
+    for (lead, ids), kv in zip(pieces, got):
+        alone = ChunkKVStore(model, prefix=[*(prefix or []), *lead]).get(ids)  # the lead as a prefix
         assert kv[0][0].shape[2] == len(ids)
         for (k, v), (k1, v1) in zip(kv, alone):
             torch.testing.assert_close(k, k1, atol=1e-5, rtol=1e-5)
@@ -240,7 +271,7 @@ def test_the_host_tier_keeps_what_the_device_tier_pushes_out(tok, device):
     store.get(p1)
     store.get(p2)  # p1 to the host
     assert (store.num_bytes, store.host_num_bytes, len(store)) == (one, one, 2)
-    host_k = store._host_tier.items[tuple(p1)][0][0]
+    host_k = store._host_tier.items[(), tuple(p1)][0][0]
     assert host_k.device.type == "cpu" and (device == "cpu" or host_k.is_pinned())
     store.get(p3)  # p2 to the host, beside p1
     got = store.get(p1)  # from the host: back on the device, p3 to the host

@@ -276,21 +276,23 @@ class RigEngine:
         the pieces any of them lacks are computed together, in one forward. Each of those rows'
         hop waited for that call: its time (``kv_ms``) goes to each row's splice time. Per row, the
         trace says how many of its block's pieces the store held (``piece_hits``) and how many it
-        had to compute (``piece_misses``, in the shared forward)."""
+        had to compute (``piece_misses``, in the shared forward) and their tokens (``piece_tokens_computed``)."""
         rows = [i for i in ready if self.running[i].staged_block is not None]
         if not rows:
             return {}
         blocks = [self.running[i].staged_block for i in rows]
-        held = [[piece in self.chunks for piece in self.chunks.pieces(*block)] for block in blocks]
+        used = [self.chunks.pieces(*block) for block in blocks]
+        missing = [[piece for piece in pieces if piece not in self.chunks] for pieces in used]
         t0 = time.perf_counter()
         kvs = self.chunks.blocks_kv(blocks)
         kv_ms = (time.perf_counter() - t0) * 1e3
-        for i, pieces in zip(rows, held):
+        for i, pieces, missed in zip(rows, used, missing):
             s = self.running[i]
             s.trace.splice_ms += kv_ms
             step = s.trace.retrieval_steps[-1]
             step.splice_ms += kv_ms
-            step.info["zero_prefill"].update(piece_hits=sum(pieces), piece_misses=len(pieces) - sum(pieces),
+            step.info["zero_prefill"].update(piece_hits=len(pieces) - len(missed), piece_misses=len(missed),
+                                             piece_tokens_computed=sum(len(ids) for _, ids in missed),
                                              blocks_assembled_together=len(rows), kv_ms=round(kv_ms, 3))
         return dict(zip(rows, kvs))
 
@@ -470,7 +472,7 @@ class RigEngine:
             # and the most deviating of them recomputed in place (the runner picks them).
             count = n - recompute if self.opts.zero_prefill_select == "tail" or recompute == n else n - 1
             if count > 0:  # assembled at the next step, with the other rows splicing then
-                s.staged_block = (block.token_ids, block.segments, count)
+                s.staged_block = (block.token_ids, block.segments, count, block.leads)
                 s.staged_reselect = recompute - (n - count)
                 step.info["zero_prefill"] = {"reused_tokens": n - recompute, "recomputed_tokens": recompute,
                                              "select": self.opts.zero_prefill_select}

@@ -62,9 +62,9 @@ class Sequence:
     """``token_ids`` spans of the evidence blocks the cache still holds."""
     evicted: list[tuple[int, int]] = field(default_factory=list)
     """``token_ids`` spans the cache dropped, in order."""
-    staged_block: tuple[list[int], list[int], int] | None = None
+    staged_block: tuple[list[int], list[int], int, list[list[int]]] | None = None
     """The pending evidence block to splice from precomputed KV (zero-prefill): its tokens, its
-    pieces' lengths and how many of its first tokens are copied; the next step assembles it (with
+    pieces' lengths, how many of its first tokens are copied and its pieces' leads; the next step assembles it (with
     every other row's, their missing pieces computed in one forward) and consumes it."""
     staged_reselect: int = 0
     """How many of the staged tokens the runner recomputes, chosen by deviation (CacheBlend)."""

@@ -1,8 +1,9 @@
 """Zero-prefill evidence: each evidence piece's KV is computed once, alone, and reused.
 
 An evidence block is a concatenation of separately tokenised pieces (``EvidenceBlock.segments``:
-head, one line per document, tail). ``ChunkKVStore`` keeps each piece's per-layer keys and values,
-computed by the model over the piece alone at positions ``0..m-1`` (or after a fixed ``prefix``,
+head, per document its number and its text, tail). ``ChunkKVStore`` keeps each piece's per-layer
+keys and values, computed by the model over the piece alone at positions ``0..m-1`` (a document's
+text after its lead ``[1]``, so that it is one entry under any number; or after a fixed ``prefix``,
 which on the default model selects worse: docs/benchmarks.md), in a least-recently-used store
 bounded in bytes on the model's device, with an optional second tier in host memory. The pieces a
 block lacks are computed together, in one packed forward. ``block_kv`` assembles a block's KV from
@@ -27,6 +28,14 @@ import torch
 from . import to_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
+Piece = tuple[tuple[int, ...], tuple[int, ...]]  # (lead, token ids): the KV of the ids, computed after the lead
+
+
+def _key(piece) -> Piece:
+    """A piece as the store keys it: ``(lead, ids)``, or token ids alone (no lead)."""
+    if isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], tuple):
+        return piece[0], tuple(piece[1])
+    return (), tuple(piece)
 
 
 def _nbytes(kv: KV) -> int:
@@ -34,25 +43,25 @@ def _nbytes(kv: KV) -> int:
 
 
 class _Tier:
-    """Pieces' KV by their token ids, least recently used first, bounded in bytes."""
+    """Pieces' KV by their lead and token ids, least recently used first, bounded in bytes."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.items: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.items: OrderedDict[Piece, KV] = OrderedDict()
         self.num_bytes = 0
 
-    def get(self, key: tuple[int, ...]) -> KV | None:
+    def get(self, key: Piece) -> KV | None:
         kv = self.items.get(key)
         if kv is not None:
             self.items.move_to_end(key)
         return kv
 
-    def pop(self, key: tuple[int, ...]) -> KV:
+    def pop(self, key: Piece) -> KV:
         kv = self.items.pop(key)
         self.num_bytes -= _nbytes(kv)
         return kv
 
-    def put(self, key: tuple[int, ...], kv: KV) -> list[tuple[tuple[int, ...], KV]]:
+    def put(self, key: Piece, kv: KV) -> list[tuple[Piece, KV]]:
         """Keep ``kv``, when it fits at all; what this pushes out (or ``kv`` itself, when it does
         not fit), least recently used first."""
         size = _nbytes(kv)
@@ -78,7 +87,12 @@ class ChunkKVStore:
     ``prefix``: token ids every piece is computed after (e.g. the chat prompt's system turn and
     the user turn's header, which every prompt starts with), at positions ``len(prefix)..``; only
     the piece's own KV is kept, and the prefix's KV once, outside the bounds. Without one (the
-    engine's way) a piece is computed alone, its first token at position 0."""
+    engine's way) a piece is computed alone, its first token at position 0.
+
+    A piece can also have a ``lead`` of its own: tokens it is computed after (after the prefix),
+    whose KV is not kept; the piece is stored under its lead and its ids. The evidence formatter
+    gives a document's text the lead ``[1]``: the text is computed as it would be under number 1
+    and reused under any number (``EvidenceBlock.leads``)."""
 
     def __init__(self, model, max_bytes: int = 256 << 20, prefix: list[int] | None = None, host_bytes: int = 0):
         if max_bytes < 0 or host_bytes < 0:
@@ -94,9 +108,9 @@ class ChunkKVStore:
     def __len__(self) -> int:
         return len(self._device_tier.items) + len(self._host_tier.items)
 
-    def __contains__(self, ids: list[int]) -> bool:
+    def __contains__(self, piece: Piece | list[int]) -> bool:
         """Whether either tier holds the piece (without counting a hit or touching its recency)."""
-        key = tuple(ids)
+        key = _key(piece)
         return key in self._device_tier.items or key in self._host_tier.items
 
     @property
@@ -108,18 +122,19 @@ class ChunkKVStore:
     def host_num_bytes(self) -> int:
         return self._host_tier.num_bytes
 
-    def get(self, ids: list[int]) -> KV:
-        """The piece's KV at positions ``len(prefix)..len(prefix)+len(ids)-1``, computed on a miss."""
-        return self.get_many([ids])[0]
+    def get(self, ids: list[int], lead: list[int] = ()) -> KV:
+        """The piece's KV at positions ``p..p+len(ids)-1``, ``p`` the length of the prefix and the
+        lead, computed on a miss."""
+        return self.get_many([(tuple(lead), ids)])[0]
 
     @torch.no_grad()
-    def get_many(self, pieces: list[list[int]]) -> list[KV]:
+    def get_many(self, pieces: list[Piece | list[int]]) -> list[KV]:
         """Each piece's KV on the model's device (as ``get``); the pieces neither tier holds are
         computed together, in one forward (``_compute``), then stored."""
-        found: dict[tuple[int, ...], KV] = {}
-        missing: list[tuple[int, ...]] = []
-        for ids in pieces:
-            key = tuple(ids)
+        keys = [_key(piece) for piece in pieces]
+        found: dict[Piece, KV] = {}
+        missing: list[Piece] = []
+        for key in keys:
             if key in found or key in missing:
                 self.hits += 1
             elif (kv := self._device_tier.get(key)) is not None:
@@ -136,12 +151,12 @@ class ChunkKVStore:
                 missing.append(key)
                 self.misses += 1
         if missing:
-            for key, kv in zip(missing, self._compute([list(k) for k in missing])):
+            for key, kv in zip(missing, self._compute(missing)):
                 found[key] = kv
                 self._keep(key, kv)
-        return [found[tuple(ids)] for ids in pieces]
+        return [found[key] for key in keys]
 
-    def _keep(self, key: tuple[int, ...], kv: KV) -> None:
+    def _keep(self, key: Piece, kv: KV) -> None:
         """Store a piece's device KV; what the device tier pushes out goes to the host tier (what
         that one pushes out is dropped)."""
         for old_key, old in self._device_tier.put(key, kv):
@@ -155,20 +170,21 @@ class ChunkKVStore:
             return t
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-    def _compute(self, pieces: list[list[int]]) -> list[KV]:
-        """The pieces' KV, each after the prefix only, from one forward: the pieces go one after
-        another in a single sequence, each at positions ``len(prefix)..`` and attending to the
-        prefix and to its own tokens up to itself (a block-diagonal causal mask, the runner's
-        packed attention); no padding is computed."""
+    def _compute(self, pieces: list[Piece]) -> list[KV]:
+        """The pieces' KV, each after the prefix and its lead only, from one forward: lead and
+        piece after lead and piece in a single sequence, each at positions ``len(prefix)..`` and
+        attending to the prefix and to its own lead and tokens up to itself (a block-diagonal
+        causal mask, the runner's packed attention); no padding is computed."""
         from ..engine.runner_hf import (PACKED_ATTENTION, PackedStep, _additive_mask, _attention_implementation,
                                         _model_attention)
 
         p = len(self.prefix)
         cache = self._prefix_cache()
-        if len(pieces) == 1:
-            self._forward(pieces[0], cache)
+        fed = [[*lead, *ids] for lead, ids in pieces]
+        if len(fed) == 1:
+            self._forward(fed[0], cache)
         else:
-            lengths = torch.tensor([len(ids) for ids in pieces])
+            lengths = torch.tensor([len(ids) for ids in fed])
             piece_of = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
             local = torch.cat([torch.arange(n) for n in lengths.tolist()])
             # token j sees the prefix, and token c of its own piece where c comes at or before j
@@ -179,14 +195,14 @@ class ChunkKVStore:
                 mask = _additive_mask(mask, self.model.dtype)
             plan = PackedStep(attend, 1, None, None, None, [(0, 0, len(local), to_device(mask, self.device))])
             with _attention_implementation(self.model.config, PACKED_ATTENTION):
-                self.model(input_ids=to_device(torch.tensor([[t for ids in pieces for t in ids]]), self.device),
+                self.model(input_ids=to_device(torch.tensor([[t for ids in fed for t in ids]]), self.device),
                            position_ids=to_device((local + p)[None], self.device), cache=cache, use_cache=True,
                            rig_packed=plan, logits_to_keep=1)
         out, at = [], p
-        for ids in pieces:
-            out.append([(layer.keys[:, :, at : at + len(ids)].clone(), layer.values[:, :, at : at + len(ids)].clone())
-                        for layer in cache.layers])
-            at += len(ids)
+        for lead, ids in pieces:
+            a, b = at + len(lead), at + len(lead) + len(ids)
+            out.append([(layer.keys[:, :, a:b].clone(), layer.values[:, :, a:b].clone()) for layer in cache.layers])
+            at = b
         return out
 
     def _prefix_cache(self):
@@ -212,45 +228,52 @@ class ChunkKVStore:
                    cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
-    def block_kv(self, token_ids: list[int], segments: list[int], count: int) -> tuple[KV, torch.Tensor]:
-        """KV of the block's first ``count`` tokens from its pieces, and each column's shift to its
-        place in the block, on the host (the runner adds the row's length there, without a device
-        sync). A piece cut by ``count`` contributes its first tokens: with causal attention a
-        prefix's KV does not depend on what follows it."""
-        return self.blocks_kv([(token_ids, segments, count)])[0]
+    def block_kv(self, token_ids: list[int], segments: list[int], count: int,
+                 leads: list[list[int]] | None = None) -> tuple[KV, torch.Tensor]:
+        """KV of the block's first ``count`` tokens from its pieces (``leads``: each piece's lead,
+        or none), and each column's shift to its place in the block, on the host (the runner adds
+        the row's length there, without a device sync). A piece cut by ``count`` contributes its
+        first tokens: with causal attention a prefix's KV does not depend on what follows it."""
+        return self.blocks_kv([(token_ids, segments, count, leads)])[0]
 
-    def blocks_kv(self, blocks: list[tuple[list[int], list[int], int]]) -> list[tuple[KV, torch.Tensor]]:
-        """``block_kv`` of each ``(token_ids, segments, count)``; the pieces any of them lacks are
-        computed together, in one forward (rows splicing in the same step share it)."""
+    def blocks_kv(self, blocks: list[tuple]) -> list[tuple[KV, torch.Tensor]]:
+        """``block_kv`` of each ``(token_ids, segments, count[, leads])``; the pieces any of them
+        lacks are computed together, in one forward (rows splicing in the same step share it)."""
         used = [self._pieces(*block) for block in blocks]
-        kvs = iter(self.get_many([ids[a : a + n] for (ids, _, _), pieces in zip(blocks, used) for a, n, _ in pieces]))
+        kvs = iter(self.get_many([piece for pieces in used for piece, _, _ in pieces]))
         out = []
         for pieces in used:
             parts = [[(k[:, :, :take], v[:, :, :take]) for k, v in next(kvs)] for _, _, take in pieces]
-            shifts = [torch.full((take,), float(a - len(self.prefix))) for a, _, take in pieces]
+            shifts = [torch.full((take,), float(a - len(self.prefix) - len(lead))) for (lead, _), a, take in pieces]
             layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                       for i in range(len(parts[0]))]
             out.append((layers, torch.cat(shifts)))
         return out
 
     @classmethod
-    def pieces(cls, token_ids: list[int], segments: list[int], count: int) -> list[list[int]]:
-        """The token ids of each piece the block's first ``count`` tokens use (whole pieces)."""
-        return [token_ids[a : a + n] for a, n, _ in cls._pieces(token_ids, segments, count)]
+    def pieces(cls, token_ids: list[int], segments: list[int], count: int,
+               leads: list[list[int]] | None = None) -> list[Piece]:
+        """The pieces the block's first ``count`` tokens use (whole pieces), as the store keys them."""
+        return [piece for piece, _, _ in cls._pieces(token_ids, segments, count, leads)]
 
     @staticmethod
-    def _pieces(token_ids: list[int], segments: list[int], count: int) -> list[tuple[int, int, int]]:
-        """(first token, length, tokens taken) of each piece the block's first ``count`` tokens use."""
+    def _pieces(token_ids: list[int], segments: list[int], count: int,
+                leads: list[list[int]] | None = None) -> list[tuple[Piece, int, int]]:
+        """(piece, its first token in the block, tokens taken) of each piece the block's first
+        ``count`` tokens use."""
         if sum(segments) != len(token_ids) or min(segments, default=0) < 0:
             raise ValueError(f"segments {segments} must be lengths covering the block's {len(token_ids)} tokens")
         if not 0 < count <= len(token_ids):
             raise ValueError(f"count must be in 1..{len(token_ids)}, got {count}")
+        if leads and len(leads) != len(segments):
+            raise ValueError(f"{len(leads)} leads for {len(segments)} segments")
         used, at = [], 0
-        for n in segments:
+        for i, n in enumerate(segments):
             if at >= count:
                 break
             if n:  # an empty piece is skipped
-                used.append((at, n, min(n, count - at)))
+                lead = tuple(leads[i]) if leads else ()
+                used.append(((lead, tuple(token_ids[at : at + n])), at, min(n, count - at)))
             at += n
         return used
 
