@@ -174,12 +174,14 @@ def random_ids(gen: torch.Generator, vocab: int, n: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=gen).tolist()
 
 
-def evidence_segments(n: int) -> list[int]:
-    """Piece lengths of an ``n``-token block: a head, four document lines, a tail (as
-    ``EvidenceBlock.segments``)."""
+def evidence_segments(n: int) -> tuple[list[int], list[list[int]]]:
+    """Piece lengths of an ``n``-token block and their leads, as ``EvidenceFormatter`` lays a block
+    out (``EvidenceBlock.segments``, ``.leads``): a head, four documents (a 3-token number, then
+    the text, computed after a 3-token lead), a tail."""
     head = tail = n // 16
     doc, rest = divmod(n - head - tail, 4)
-    return [head] + [doc] * 4 + [tail + rest]
+    lead = [11, 12, 13]
+    return [head, *[3, doc - 3] * 4, tail + rest], [[], *[[], lead] * 4, []]
 
 
 def prefill(model, prompts: list[list[int]], kv_budget: int | None) -> tuple[HFModelRunner, torch.Tensor]:
@@ -297,17 +299,17 @@ class Bench:
         block = new[1:]
         n = len(block)
         recompute = max(1, math.ceil(EngineOptions().zero_prefill_recompute * n))  # as the engine counts
-        segments = evidence_segments(n)
+        segments, leads = evidence_segments(n)
         warm = ChunkKVStore(self.model)
         on_host = ChunkKVStore(self.model, max_bytes=0, host_bytes=2 * n * kv_bytes_per_token_of(self.model))
         for label, key, store, count, reselect in (
                 ("splice", "zero_prefill", warm, n - recompute, 0),
                 ("splice, pieces from the host tier", "zero_prefill_host", on_host, n - recompute, 0),
                 ("deviation splice", "zero_prefill_deviation", warm, n - 1, recompute - 1)):
-            store.block_kv(block, segments, count)
+            store.block_kv(block, segments, count, leads)
 
             def hop(store=store, count=count, reselect=reselect):
-                kv, shifts = store.block_kv(block, segments, count)
+                kv, shifts = store.block_kv(block, segments, count, leads)
                 runner.step([new], staged={0: (kv, shifts)}, reselect={0: reselect})
 
             metric = f"{label}, {context} ctx"
@@ -331,15 +333,15 @@ class Bench:
         forward per piece (``get``) vs all of them in one packed forward (``block_kv``, what a hop
         does), side by side."""
         n = self.shapes.evidence
-        block, segments = random_ids(self.gen, self.vocab, n), evidence_segments(n)
+        block, (segments, leads) = random_ids(self.gen, self.vocab, n), evidence_segments(n)
 
         def each():
             store = ChunkKVStore(self.model)
-            for lead, ids in store.pieces(block, segments, n):
+            for lead, ids in store.pieces(block, segments, n, leads):
                 store.get(ids, lead)
 
         def packed():
-            ChunkKVStore(self.model).block_kv(block, segments, n)
+            ChunkKVStore(self.model).block_kv(block, segments, n, leads)
 
         what = f"ms ({len(segments)} pieces, {n} tokens)"
         one = self.clock.median_ms(each, self.shapes.repeats)

@@ -108,3 +108,13 @@ def test_piece_heads_rows(tok_special, capsys):
 def test_a_probe_layer_the_model_lacks_is_refused(tok_special):
     with pytest.raises(ValueError, match="the model has layers 0..1"):
         bench.report(tiny_model(len(tok_special)), tok_special, examples=1, shares=[0.5], tokens=4, probe_layers=(2,))
+
+
+def test_document_piece_layouts():
+    """``--doc-pieces``: the engine's pieces with their leads, the same without, or each document's
+    number and text as one piece."""
+    one = [7, 8, 9]
+    case = bench.Case([1], list(range(20)), [4, 3, 5, 3, 2, 3], ["x"], 2, [[], [], one, [], one, []])
+    assert bench.doc_pieces(case, "lead") == ([4, 3, 5, 3, 2, 3], [[], [], one, [], one, []])
+    assert bench.doc_pieces(case, "alone") == ([4, 3, 5, 3, 2, 3], None)
+    assert bench.doc_pieces(case, "line") == ([4, 8, 5, 3], None)

@@ -63,6 +63,7 @@ def test_a_cut_document_keeps_its_number_apart(tok):
     block = EvidenceFormatter(tok, budget=60).render_block(HITS, 1)
     pieces = [tok.decode(p) for p in _pieces(block)]
     assert block.truncated and len(pieces) == 5 and pieces[1] == "[1]"
+    assert block.leads == [[], [], tok.encode("[1]", add_special_tokens=False), [], []]  # the cut text too
     assert pieces[2].startswith(" T1: word") and not pieces[2].endswith("\n")
     assert pieces[-2:] == [" …\n", "</evidence>\n"]
 

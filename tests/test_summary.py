@@ -111,6 +111,7 @@ def test_keys_that_cannot_be_re_rotated_are_refused_when_the_engine_is_built(tok
     what = "zero_prefill" if "zero_prefill" in options else "append_format: summary"
     with pytest.raises(ValueError, match=f"{what} re-rotates cached keys: rope type 'dynamic'"):
         RigEngine(model, tok, None, EngineOptions(**options))
+    RigEngine(model, tok, None, EngineOptions(reprefill=True, **options))  # the reference re-prefills instead
     model.config.head_dim = 32  # twice what its rotary embedding covers
     model.model.rotary_emb.rope_type = "default"
     with pytest.raises(ValueError, match="covers 16 of head_dim 32 \\(partial rotary\\)"):

@@ -58,6 +58,8 @@ def test_zero_prefill_on_a_deep_model_runs_and_reuses_pieces(deep, tok, select):
     seqs, engine = _run(deep, tok, zero_prefill=True, select=select, recompute=0.3)
     assert [s.trace.num_hops for s in seqs][:2] == [2, 1]
     assert all(s.finish_reason in ("stop", "length") for s in seqs)
+    one = tuple(tok.encode("[1]", add_special_tokens=False))
+    assert any(lead == one for lead, _ in engine.chunks._device_tier.items)  # the texts, stored under their lead
     misses = engine.chunks.misses
     _run(deep, tok, zero_prefill=True, engine=engine)  # same questions again: same pieces
     assert engine.chunks.misses - misses <= 3 and engine.chunks.hits > misses
@@ -189,6 +191,9 @@ def test_a_documents_text_is_computed_once_under_any_number(deep, tok):
         torch.testing.assert_close(v, v1[:, :, number:], atol=1e-5, rtol=1e-5)
     kv, shifts = store.block_kv(first.token_ids, first.segments, len(first.token_ids), first.leads)
     assert shifts[head + number] == head + number - len(first.leads[2])  # from its place after its lead
+    assert ([*first.leads[2]], first.token_ids[head + number : head + number + text]) in store  # a list lead too
+    with pytest.raises(TypeError, match="a piece is token ids or \\(lead, token ids\\)"):
+        store.get(store.pieces(first.token_ids, first.segments, 9, first.leads)[0])  # a piece where ids go
     misses = store.misses
     again, _ = store.block_kv(swapped.token_ids, swapped.segments, len(swapped.token_ids), swapped.leads)
     assert store.misses == misses and swapped.token_ids != first.token_ids

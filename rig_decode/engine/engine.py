@@ -132,7 +132,7 @@ class RigEngine:
         if options.append_format == "summary" and not hasattr(self.runner, "evict"):
             raise ValueError(f"append_format: summary drops evidence from the KV cache, which "
                              f"{type(self.runner).__name__} cannot do; use the in-process (hf) backend")
-        if model is not None and (options.zero_prefill or options.append_format == "summary"):
+        if model is not None and not options.reprefill and (options.zero_prefill or options.append_format == "summary"):
             try:  # both move cached keys to other positions: refused now, not at the first hop
                 rotary_inv_freq(model)
             except ValueError as e:
@@ -276,13 +276,14 @@ class RigEngine:
         the pieces any of them lacks are computed together, in one forward. Each of those rows'
         hop waited for that call: its time (``kv_ms``) goes to each row's splice time. Per row, the
         trace says how many of its block's pieces the store held (``piece_hits``) and how many it
-        had to compute (``piece_misses``, in the shared forward) and their tokens (``piece_tokens_computed``)."""
+        had to compute (``piece_misses``, in the shared forward; a piece twice in the block counts once)
+        and their tokens (``piece_tokens_computed``, leads not counted)."""
         rows = [i for i in ready if self.running[i].staged_block is not None]
         if not rows:
             return {}
         blocks = [self.running[i].staged_block for i in rows]
         used = [self.chunks.pieces(*block) for block in blocks]
-        missing = [[piece for piece in pieces if piece not in self.chunks] for pieces in used]
+        missing = [list(dict.fromkeys(piece for piece in pieces if piece not in self.chunks)) for pieces in used]
         t0 = time.perf_counter()
         kvs = self.chunks.blocks_kv(blocks)
         kv_ms = (time.perf_counter() - t0) * 1e3

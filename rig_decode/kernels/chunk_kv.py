@@ -22,6 +22,7 @@ by ``rig eval`` (docs/kernels.md).
 from __future__ import annotations
 
 from collections import OrderedDict
+from numbers import Integral
 
 import torch
 
@@ -32,10 +33,15 @@ Piece = tuple[tuple[int, ...], tuple[int, ...]]  # (lead, token ids): the KV of 
 
 
 def _key(piece) -> Piece:
-    """A piece as the store keys it: ``(lead, ids)``, or token ids alone (no lead)."""
-    if isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], tuple):
-        return piece[0], tuple(piece[1])
-    return (), tuple(piece)
+    """A piece as the store keys it: ``(lead, ids)`` (either a tuple or a list), or token ids
+    alone (no lead)."""
+    if isinstance(piece, (tuple, list)) and len(piece) == 2 and isinstance(piece[0], (tuple, list)):
+        lead, ids = tuple(piece[0]), tuple(piece[1])
+    else:
+        lead, ids = (), tuple(piece)
+    if not all(isinstance(t, Integral) for t in (*lead, *ids)):
+        raise TypeError(f"a piece is token ids or (lead, token ids), got {piece!r:.80}")
+    return lead, ids
 
 
 def _nbytes(kv: KV) -> int:
