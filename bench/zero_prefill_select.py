@@ -210,12 +210,13 @@ def select(rule: str, share: float, m: int, deviation: dict[str, torch.Tensor],
     if rule == "tail":
         return list(range(m - k, m))
     if rule == "heads":  # the pieces' first tokens, then their second ones, ...
-        order = sorted(range(m - 1), key=lambda t: (t - _piece_start(segments, t), t))[: k - 1]
+        offsets = _piece_offsets(segments, m - 1)
+        order = sorted(range(m - 1), key=lambda t: (offsets[t], t))[: k - 1]
         return sorted(order + [m - 1])
     forced = []
     if rule.startswith("heads+"):  # each piece's first token, the rest by deviation
         rule = rule.removeprefix("heads+")
-        forced = sorted({_piece_start(segments, t) for t in range(m - 1)})[: k - 1]
+        forced = _piece_starts(segments, m - 1)[: k - 1]
     score = deviation[rule][: m - 1].clone()
     score[forced] = float("inf")
     order = score.argsort(descending=True)[: k - 1].tolist()
@@ -239,14 +240,14 @@ def doc_pieces(case: Case, how: str) -> tuple[list[int], list[list[int]] | None]
     return segments, None
 
 
-def _piece_start(segments: list[int], t: int) -> int:
-    """The block column where the piece holding column ``t`` starts."""
-    at = 0
-    for n in segments:
-        if t < at + n:
-            return at
-        at += n
-    raise IndexError(f"column {t} is past the block's {at} tokens")
+def _piece_offsets(segments: list[int], m: int) -> list[int]:
+    """For each of the block's first ``m`` columns, its place within its piece."""
+    return [j for n in segments for j in range(n)][:m]
+
+
+def _piece_starts(segments: list[int], m: int) -> list[int]:
+    """The columns among the block's first ``m`` where a piece starts."""
+    return [t for t, j in enumerate(_piece_offsets(segments, m)) if j == 0]
 
 
 def main(argv=None) -> int:
@@ -334,7 +335,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         dev = torch.stack([value_deviation(v, ref) for (_, v), (_, ref) in zip(stored, in_context)])  # [layers, m]
         deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}
         if piece_heads:  # where the pieces' first tokens rank by deviation (0: the most deviating)
-            starts = sorted({_piece_start(segments, t) for t in range(m - 1)})
+            starts = _piece_starts(segments, m - 1)
             for L in probe_layers:
                 order = deviation[f"deviation@{L}"][: m - 1].argsort(descending=True).tolist()
                 head_ranks[L].append(max(order.index(t) for t in starts))
