@@ -62,9 +62,9 @@ class EvidenceFormatter:
         self._empty = self._encode(NO_EVIDENCE + "\n")
         # A document's number is a piece of its own, so the text's piece is the same under any
         # number; unless this tokenizer would tokenise the line differently whole.
-        probe = "[1] Title: some text.\n"
-        self._number_apart = self._encode("[1]") + self._encode(probe[3:]) == self._encode(probe)
-        self._text_lead = self._encode("[1]") if self._number_apart else []
+        one, probe = self._encode("[1]"), "[1] Title: some text.\n"
+        self._number_apart = one + self._encode(probe[3:]) == self._encode(probe)
+        self._text_lead = one if self._number_apart else []
         if budget < self.min_budget:
             raise ValueError(f"evidence_token_budget {budget} cannot hold even an empty evidence block "
                              f"({self.min_budget} tokens)")
