@@ -202,6 +202,64 @@ def test_a_documents_text_is_computed_once_under_any_number(deep, tok):
                                kv[1][1][:, :, b_first : b_first + swapped.segments[2]])
 
 
+def test_a_cut_document_is_served_from_its_whole_text(deep, tok):
+    """A document the budget cut is a prefix of its whole text's piece, after the same lead: once
+    the whole text is held the cut one is its first columns, computed by no forward; held first,
+    the cut one goes when the whole text comes, so a document is held once."""
+    fmt = EvidenceFormatter(tok, 200)
+    hits = [Hit("a", "Release 4.2.1 fixed error E1234 in the sync daemon.", 1.0),
+            Hit("b", "Priya Raman approved the release after a week of testing it.", 0.9)]
+    whole = fmt.render_block(hits, 1)
+    cut = fmt.render_block(hits, 1, budget=len(whole.token_ids) - 6)
+    assert cut.truncated and cut.doc_ids == ["a", "b"]
+    head, number, text = whole.segments[:3]
+    at = head + sum(whole.segments[1:4])  # document b's text
+    full_b = (tuple(whole.leads[4]), tuple(whole.token_ids[at : at + whole.segments[4]]))
+    cut_b = (tuple(cut.leads[4]), tuple(cut.token_ids[at : at + cut.segments[4]]))
+    assert 0 < len(cut_b[1]) < len(full_b[1]) and full_b[1][: len(cut_b[1])] == cut_b[1]
+    fresh = ChunkKVStore(deep).get(cut_b[1], cut_b[0])
+
+    store = ChunkKVStore(deep)
+    store.block_kv(whole.token_ids, whole.segments, len(whole.token_ids), whole.leads)
+    assert cut_b in store and store.prefix_hits == 0
+    misses, held = store.misses, len(store)
+    kv, _ = store.block_kv(cut.token_ids, cut.segments, len(cut.token_ids), cut.leads)
+    assert store.prefix_hits == 1 and store.misses == misses + 1 and len(store) == held + 1  # only the ellipsis
+    got = kv[3][1][:, :, at : at + len(cut_b[1])]
+    torch.testing.assert_close(got, store.get(full_b[1], full_b[0])[3][1][:, :, : len(cut_b[1])], atol=0, rtol=0)
+    torch.testing.assert_close(got, fresh[3][1], atol=1e-5, rtol=1e-5)
+
+    # The cut text first: computed and held, until the whole text replaces it.
+    store = ChunkKVStore(deep)
+    store.get(cut_b[1], cut_b[0])
+    one = store.num_bytes
+    store.get(full_b[1], full_b[0])
+    assert len(store) == 1 and store.num_bytes > one and cut_b in store
+    store.get(cut_b[1], cut_b[0])
+    assert (store.misses, store.prefix_hits) == (2, 1)
+
+    # Both missing in one call: only the whole text goes through the model.
+    forwards = []
+    hook = deep.model.register_forward_pre_hook(lambda _, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]),
+                                                with_kwargs=True)
+    try:
+        store = ChunkKVStore(deep)
+        both = store.get_many([cut_b, full_b])
+    finally:
+        hook.remove()
+    assert forwards == [len(full_b[0]) + len(full_b[1])] and len(store) == 1 and store.misses == 2
+    torch.testing.assert_close(both[0][2][0], both[1][2][0][:, :, : len(cut_b[1])], atol=0, rtol=0)
+
+    # From the host tier too; and not under another lead, nor for a piece shorter than the index.
+    size = store.num_bytes
+    store = ChunkKVStore(deep, max_bytes=size, host_bytes=size)
+    store.get(full_b[1], full_b[0])
+    store.get(list(range(3, 3 + len(full_b[1]))))  # pushes the whole text to the host
+    store.get(cut_b[1], cut_b[0])
+    assert (store.host_hits, store.prefix_hits, store.misses) == (1, 1, 2)
+    assert ((), cut_b[1]) not in store and (full_b[0], full_b[1][:3]) not in store
+
+
 def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
     """With ``prefix``, a piece is computed after it: a row holding exactly that prefix gets the
     piece's in-context KV, so zero-prefill equals the exact splice on a deep model (the keys sit at
@@ -223,7 +281,7 @@ def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
     # Computed alone, the same piece is not in-context KV on this model.
     alone, _ = ChunkKVStore(deep).block_kv(block, [len(block)], len(block) - 1)
     assert not torch.allclose(alone[3][1], kv[3][1], atol=1e-3)
-    store.get(block[:4])
+    store.get(block[4:])
     assert (store.misses, len(store)) == (2, 2)  # the prefix's KV is computed once, not stored as a piece
 
 

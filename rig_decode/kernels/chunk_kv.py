@@ -6,11 +6,14 @@ keys and values, computed by the model over the piece alone at positions ``0..m-
 text after its lead ``[1]``, so that it is one entry under any number; or after a fixed ``prefix``,
 which on the default model selects worse: docs/benchmarks.md), in a least-recently-used store
 bounded in bytes on the model's device, with an optional second tier in host memory. The pieces a
-block lacks are computed together, in one packed forward. ``block_kv`` assembles a block's KV from
-its pieces: the keys still sit at their piece-local positions, and ``shifts`` says how far each
-column is from its place in the block (the piece's offset), so the runner moves them to their
-final positions with one ``rope_shift_layers_`` call when it copies them into a row
-(``HFModelRunner.step(staged=)``).
+block lacks are computed together, in one packed forward. A piece that starts a longer one the
+store holds, after the same lead (a document the evidence budget cut, once its whole text is
+held), is served from that one's first columns: with causal attention a prefix's KV does not
+depend on what follows it. A held piece a new one starts with is dropped, so a document is held
+once. ``block_kv`` assembles a block's KV from its pieces: the keys still sit at their piece-local
+positions, and ``shifts`` says how far each column is from its place in the block (the piece's
+offset), so the runner moves them to their final positions with one ``rope_shift_layers_`` call
+when it copies them into a row (``HFModelRunner.step(staged=)``).
 
 What this gives up: a piece computed alone never attended to the text before it (the question, the
 answer so far, earlier pieces), which exact splicing does. The tail of the block (at least its last
@@ -44,17 +47,36 @@ def _key(piece) -> Piece:
     return lead, ids
 
 
+_HEAD = 4  # a piece's first tokens: the key its longer pieces are found by
+
+
+def _head(key: Piece) -> tuple | None:
+    return (key[0], key[1][:_HEAD]) if len(key[1]) >= _HEAD else None
+
+
+def _starts(key: Piece, longer: Piece) -> bool:
+    """Whether ``key``'s ids start ``longer``'s (and are fewer), after the same lead."""
+    (lead, ids), (other_lead, other) = key, longer
+    return lead == other_lead and len(ids) < len(other) and other[: len(ids)] == ids
+
+
+def _first(kv: KV, n: int) -> KV:
+    return [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
+
+
 def _nbytes(kv: KV) -> int:
     return sum(k.nbytes + v.nbytes for k, v in kv)
 
 
 class _Tier:
-    """Pieces' KV by their lead and token ids, least recently used first, bounded in bytes."""
+    """Pieces' KV by their lead and token ids, least recently used first, bounded in bytes; the
+    pieces of at least ``_HEAD`` tokens are also found by their first ones (``holding``)."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.items: OrderedDict[Piece, KV] = OrderedDict()
         self.num_bytes = 0
+        self.by_head: dict[tuple, set[Piece]] = {}
 
     def get(self, key: Piece) -> KV | None:
         kv = self.items.get(key)
@@ -62,10 +84,27 @@ class _Tier:
             self.items.move_to_end(key)
         return kv
 
+    def holding(self, key: Piece) -> Piece | None:
+        """The key the tier holds ``key``'s KV under: itself, or a longer piece it starts."""
+        if key in self.items:
+            return key
+        return next((k for k in self.by_head.get(_head(key), ()) if _starts(key, k)), None)
+
+    def started_by(self, key: Piece) -> list[Piece]:
+        """The held pieces ``key`` is longer than and starts with (its KV holds theirs)."""
+        return [k for k in self.by_head.get(_head(key), ()) if _starts(k, key)]
+
     def pop(self, key: Piece) -> KV:
         kv = self.items.pop(key)
-        self.num_bytes -= _nbytes(kv)
+        self._forget(key, kv)
         return kv
+
+    def _forget(self, key: Piece, kv: KV) -> None:
+        self.num_bytes -= _nbytes(kv)
+        if (head := _head(key)) is not None:
+            self.by_head[head].discard(key)
+            if not self.by_head[head]:
+                del self.by_head[head]
 
     def put(self, key: Piece, kv: KV) -> list[tuple[Piece, KV]]:
         """Keep ``kv``, when it fits at all; what this pushes out (or ``kv`` itself, when it does
@@ -75,10 +114,12 @@ class _Tier:
             return [(key, kv)]
         self.items[key] = kv
         self.num_bytes += size
+        if (head := _head(key)) is not None:
+            self.by_head.setdefault(head, set()).add(key)
         out = []
         while self.num_bytes > self.max_bytes:
             old_key, old = self.items.popitem(last=False)
-            self.num_bytes -= _nbytes(old)
+            self._forget(old_key, old)
             out.append((old_key, old))
         return out
 
@@ -110,14 +151,16 @@ class ChunkKVStore:
         self._device_tier, self._host_tier = _Tier(max_bytes), _Tier(host_bytes)
         self.hits = self.misses = 0
         self.host_hits = 0  # of ``hits``: those served from the host tier
+        self.prefix_hits = 0  # of ``hits``: those served from a longer piece's first columns
 
     def __len__(self) -> int:
         return len(self._device_tier.items) + len(self._host_tier.items)
 
     def __contains__(self, piece: Piece | list[int]) -> bool:
-        """Whether either tier holds the piece (without counting a hit or touching its recency)."""
+        """Whether either tier holds the piece's KV, alone or as the start of a longer piece
+        (without counting a hit or touching its recency)."""
         key = _key(piece)
-        return key in self._device_tier.items or key in self._host_tier.items
+        return any(tier.holding(key) is not None for tier in (self._device_tier, self._host_tier))
 
     @property
     def num_bytes(self) -> int:
@@ -136,38 +179,60 @@ class ChunkKVStore:
     @torch.no_grad()
     def get_many(self, pieces: list[Piece | list[int]]) -> list[KV]:
         """Each piece's KV on the model's device (as ``get``); the pieces neither tier holds are
-        computed together, in one forward (``_compute``), then stored."""
+        computed together, in one forward (``_compute``), then stored; one that starts another of
+        them is that one's first columns."""
         keys = [_key(piece) for piece in pieces]
         found: dict[Piece, KV] = {}
         missing: list[Piece] = []
         for key in keys:
             if key in found or key in missing:
                 self.hits += 1
-            elif (kv := self._device_tier.get(key)) is not None:
+            elif (kv := self._held(key)) is not None:
                 found[key] = kv
                 self.hits += 1
-            elif (kv := self._host_tier.get(key)) is not None:
-                found[key] = [(to_device(k, self.device), to_device(v, self.device)) for k, v in kv]
-                if _nbytes(kv) <= self.max_bytes:  # back to the device tier (else it stays on the host)
-                    self._host_tier.pop(key)
-                    self._keep(key, found[key])
-                self.hits += 1
-                self.host_hits += 1
             else:
                 missing.append(key)
                 self.misses += 1
-        if missing:
-            for key, kv in zip(missing, self._compute(missing)):
-                found[key] = kv
-                self._keep(key, kv)
+        computed = [key for key in missing if not any(_starts(key, other) for other in missing)]
+        for key, kv in zip(computed, self._compute(computed) if computed else []):
+            found[key] = kv
+            self._keep(key, kv)
+        for key in missing:
+            if key not in found:
+                found[key] = _first(found[next(other for other in computed if _starts(key, other))], len(key[1]))
         return [found[key] for key in keys]
+
+    def _held(self, key: Piece) -> KV | None:
+        """The piece's KV on the device, if either tier holds it (or a longer piece it starts: that
+        one's first columns). A host tier hit is copied over and goes back to the device tier (when
+        it fits there)."""
+        if (held := self._device_tier.holding(key)) is not None:
+            kv = self._device_tier.get(held)
+        elif (held := self._host_tier.holding(key)) is not None:
+            host = self._host_tier.get(held)
+            kv = [(to_device(k, self.device), to_device(v, self.device)) for k, v in host]
+            if _nbytes(host) <= self.max_bytes:
+                self._host_tier.pop(held)
+                self._keep(held, kv)
+            self.host_hits += 1
+        else:
+            return None
+        if held == key:
+            return kv
+        self.prefix_hits += 1
+        return _first(kv, len(key[1]))
 
     def _keep(self, key: Piece, kv: KV) -> None:
         """Store a piece's device KV; what the device tier pushes out goes to the host tier (what
-        that one pushes out is dropped)."""
+        that one pushes out is dropped). The held pieces it starts with go: its KV holds theirs."""
+        tiers = (self._device_tier, self._host_tier)
         for old_key, old in self._device_tier.put(key, kv):
             if _nbytes(old) <= self.host_bytes:
                 self._host_tier.put(old_key, [(self._to_host(k), self._to_host(v)) for k, v in old])
+        if any(key in tier.items for tier in tiers):
+            for tier in tiers:
+                for shorter in tier.started_by(key):
+                    tier.pop(shorter)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t``: for CUDA, in pinned memory, queued on the stream (no sync: the
