@@ -224,7 +224,7 @@ def test_evict_rejects_bad_spans():
     model = tiny_model(600)
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([[5, 6, 7, 8]])
-    for start, end in ((2, 2), (-1, 2), (3, 9)):
+    for row, start, end in ((0, 2, 2), (0, -1, 2), (0, 3, 9), (-1, 2, 4), (1, 0, 2), (0.0, 0, 2)):
         with pytest.raises(ValueError, match="cannot evict"):
-            runner.evict(0, start, end)
-    assert runner.lengths == [4]
+            runner.evict(row, start, end)
+    assert runner.lengths == [4] and bool(runner.attn.all())

@@ -260,6 +260,35 @@ def test_a_cut_document_is_served_from_its_whole_text(deep, tok):
     assert ((), cut_b[1]) not in store and (full_b[0], full_b[1][:3]) not in store
 
 
+def test_a_whole_text_replaces_its_cut_one_first(deep):
+    """The cut piece a whole one supersedes goes before the whole one is stored, so it pushes out
+    nothing that both fit beside; a whole piece that fits the host tier only leaves a cut one on
+    the device, which keeps serving it from there; an empty piece is refused."""
+    one = _piece_bytes(deep, 1)
+    other, whole = list(range(30, 36)), list(range(10, 18))
+    store = ChunkKVStore(deep, max_bytes=14 * one)  # room for the other piece and the whole one
+    store.get(other)
+    store.get(whole[:5])
+    store.get(whole)
+    assert len(store) == 2 and other in store and store.num_bytes == 14 * one
+    store.get(other)
+    assert store.misses == 3
+
+    store = ChunkKVStore(deep, max_bytes=6 * one, host_bytes=8 * one)
+    store.get(whole[:5])
+    store.get(whole)  # too big for the device tier: to the host, beside the cut one
+    assert (store.num_bytes, store.host_num_bytes, len(store)) == (5 * one, 8 * one, 2)
+    store.get(whole[:5])
+    store.get(whole[:4])  # from the cut one, on the device
+    assert (store.hits, store.host_hits, store.prefix_hits) == (2, 0, 1)
+    with pytest.raises(ValueError, match="a piece has at least one token"):
+        store.get_many([[], whole])
+
+
+def _piece_bytes(model, n: int) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in ChunkKVStore(model).get(list(range(3, 3 + n))))
+
+
 def test_pieces_computed_after_a_prefix_are_exact_right_after_it(deep):
     """With ``prefix``, a piece is computed after it: a row holding exactly that prefix gets the
     piece's in-context KV, so zero-prefill equals the exact splice on a deep model (the keys sit at

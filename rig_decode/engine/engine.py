@@ -276,8 +276,9 @@ class RigEngine:
         the pieces any of them lacks are computed together, in one forward. Each of those rows'
         hop waited for that call: its time (``kv_ms``) goes to each row's splice time. Per row, the
         trace says how many of its block's pieces the store held (``piece_hits``) and how many it
-        had to compute (``piece_misses``, in the shared forward; a piece twice in the block counts once)
-        and their tokens (``piece_tokens_computed``, leads not counted)."""
+        had to compute (``piece_misses``, in the shared forward; a piece twice in the block counts once,
+        and a document's cut text counts even when the forward computed it as the start of another
+        row's whole text) and their tokens (``piece_tokens_computed``, leads not counted)."""
         rows = [i for i in ready if self.running[i].staged_block is not None]
         if not rows:
             return {}

@@ -752,6 +752,8 @@ class HFModelRunner:
     def evict(self, row: int, start: int, end: int) -> None:
         """Drop the row's cached tokens ``start:end`` (counting its real tokens) and move the keys
         after them back by ``end - start`` positions."""
+        if not isinstance(row, int) or not 0 <= row < self.batch_size:
+            raise ValueError(f"cannot evict from row {row}: the batch has rows 0..{self.batch_size - 1}")
         n = self.lengths[row]
         if not 0 <= start < end <= n:
             raise ValueError(f"cannot evict tokens {start}:{end} of a row holding {n}")

@@ -37,13 +37,15 @@ Piece = tuple[tuple[int, ...], tuple[int, ...]]  # (lead, token ids): the KV of 
 
 def _key(piece) -> Piece:
     """A piece as the store keys it: ``(lead, ids)`` (either a tuple or a list), or token ids
-    alone (no lead)."""
+    alone (no lead); at least one token."""
     if isinstance(piece, (tuple, list)) and len(piece) == 2 and isinstance(piece[0], (tuple, list)):
         lead, ids = tuple(piece[0]), tuple(piece[1])
     else:
         lead, ids = (), tuple(piece)
     if not all(isinstance(t, Integral) for t in (*lead, *ids)):
         raise TypeError(f"a piece is token ids or (lead, token ids), got {piece!r:.80}")
+    if not ids:
+        raise ValueError(f"a piece has at least one token, got {piece!r:.80}")
     return lead, ids
 
 
@@ -224,15 +226,19 @@ class ChunkKVStore:
 
     def _keep(self, key: Piece, kv: KV) -> None:
         """Store a piece's device KV; what the device tier pushes out goes to the host tier (what
-        that one pushes out is dropped). The held pieces it starts with go: its KV holds theirs."""
-        tiers = (self._device_tier, self._host_tier)
+        that one pushes out is dropped). First the held pieces it starts with go, from the tier it
+        will be held in and any slower one (its KV holds theirs), so they push out nothing."""
+        size = _nbytes(kv)
+        if size <= self.max_bytes:
+            tiers = (self._device_tier, self._host_tier)
+        else:
+            tiers = (self._host_tier,) if size <= self.host_bytes else ()
+        for tier in tiers:
+            for shorter in tier.started_by(key):
+                tier.pop(shorter)
         for old_key, old in self._device_tier.put(key, kv):
             if _nbytes(old) <= self.host_bytes:
                 self._host_tier.put(old_key, [(self._to_host(k), self._to_host(v)) for k, v in old])
-        if any(key in tier.items for tier in tiers):
-            for tier in tiers:
-                for shorter in tier.started_by(key):
-                    tier.pop(shorter)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t``: for CUDA, in pinned memory, queued on the stream (no sync: the
