@@ -8,8 +8,9 @@
 #   usage: scripts/gpu_check.sh [DIR]     logs, the bench's table and JSON go to DIR (default out/gpu)
 #   PYTHON      interpreter with a CUDA build of torch, transformers and bitsandbytes (default:
 #               .venv/bin/python, else python3); rig_decode is used from this checkout
-#   BENCH_S, BUILD_S, KERNELS_S, TESTS_S   time limits in seconds of those steps (default 480, 240,
-#               120, 240; each is sized for much less); TORCH_CUDA_ARCH_LIST defaults to this GPU's
+#   BENCH_S, BUILD_S, KERNELS_S, TESTS_S   time limits in seconds of those steps (default 300, 90,
+#               45, 90: with the env step's 60, under 10 minutes in all; each is sized for less);
+#               TORCH_CUDA_ARCH_LIST defaults to this GPU's
 set -uo pipefail
 DIR=$(realpath -m "${1:-$(dirname "$0")/../out/gpu}")  # before the cd: relative to the caller
 cd "$(dirname "$0")/.."
@@ -41,24 +42,36 @@ step() {
 
 echo "step    result      time  last line of DIR/step.log" | tee -a "$DIR/summary.txt"
 step env 60 "$PYTHON" -c '
-import torch, transformers
+import tomllib, torch, transformers
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)
 assert torch.cuda.is_available(), "CUDA is not available"
 import bitsandbytes
-print("bitsandbytes", bitsandbytes.__version__, "on", torch.cuda.get_device_name(0))'
+print("bitsandbytes", bitsandbytes.__version__, "on", torch.cuda.get_device_name(0))
+with open("pyproject.toml", "rb") as f:  # what importing rig_decode and the tests need, in the pinned ranges
+    pins = [Requirement(d) for d in tomllib.load(f)["project"]["dependencies"]]
+for req in pins:
+    if req.name in ("transformers", "pydantic", "pyyaml"):
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            raise SystemExit(f"{req.name} is missing: need {req}")
+        assert req.specifier.contains(have, prereleases=True), f"{req.name} {have} is outside {req}"
+import pytest'
 
 # The benchmark's table and JSON go to DIR/bench.txt; its log has them after its progress.
-step bench "${BENCH_S:-480}" bash -c 'set -o pipefail; "$1" bench/gpu.py | tee "$2/bench.txt"' _ "$PYTHON" "$DIR"
+step bench "${BENCH_S:-300}" bash -c 'set -o pipefail; "$1" bench/gpu.py --device cuda | tee "$2/bench.txt"' _ "$PYTHON" "$DIR"
 
 arch=$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null)
-if step native "${BUILD_S:-240}" env PYTHON="$PYTHON" JOBS="$(nproc)" \
+if step native "${BUILD_S:-90}" env PYTHON="$PYTHON" JOBS="$(nproc)" \
     TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$arch}" scripts/build_native.sh; then
   native=1
 else
   native=0  # the native tests would only try the same build again
 fi
-step kernels "${KERNELS_S:-120}" "$PYTHON" bench/rope_shift.py --model qwen2.5-32b
-step tests "${TESTS_S:-240}" env RIG_NATIVE="$native" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
+step kernels "${KERNELS_S:-45}" "$PYTHON" bench/rope_shift.py --device cuda --model qwen2.5-32b
+step tests "${TESTS_S:-90}" env RIG_NATIVE="$native" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
   tests/test_native.py tests/test_kernels.py
 
 [ -s "$DIR/bench.txt" ] && { echo; cat "$DIR/bench.txt"; }

@@ -49,7 +49,7 @@ def _check(proc: subprocess.CompletedProcess) -> dict:
 def test_small_shapes_on_cpu():
     result = _check(_run())
     assert result["quantization"] == "none" and result["dtype"] == "float32"
-    assert result["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K and V x layers x kv heads x head_dim x fp32
+    assert result["kv_bytes_per_token"] == 2 * 3 * 2 * 32 * 4  # K and V x layers x kv heads x head_dim x fp32
 
 
 def test_small_shapes_in_nf4_on_cpu():
@@ -57,4 +57,4 @@ def test_small_shapes_in_nf4_on_cpu():
     pytest.importorskip("bitsandbytes")
     result = _check(_run("--quant", "nf4"))
     assert result["quantization"] == "nf4" and result["dtype"] == "bfloat16"
-    assert result["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 2
+    assert result["kv_bytes_per_token"] == 2 * 3 * 2 * 32 * 2

@@ -131,6 +131,46 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
+
+@pytest.mark.parametrize("arch", ["cohere", "helium"])
+def test_a_rope_pairing_other_dimensions_is_refused(arch):
+    """Cohere and Helium rotate the pairs (2i, 2i + 1), not (i, i + d/2): a shift would scramble
+    their keys, so re-rotation is refused (eviction too) and the cache is left as it was."""
+    import transformers
+
+    name = arch.capitalize()
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with pytest.raises(ValueError, match="other pairs of key dimensions"):
+        rotary_inv_freq(model)
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([list(range(3, 23))])
+    keys = runner.cache.layers[0].keys.clone()
+    with pytest.raises(ValueError, match="other pairs"):
+        runner.evict(0, 5, 10)
+    assert runner.lengths == [20] and bool(runner.attn.all())
+    torch.testing.assert_close(runner.cache.layers[0].keys, keys, atol=0, rtol=0)
+
+
+def test_a_peft_wrapped_model_moves_its_keys():
+    """An nf4 model keeps its adapter unmerged (a PeftModel): its decoder is found through the
+    wrapper, and eviction on it is as exact as on the bare model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = one_layer_model(600)
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj"], init_lora_weights=False))
+    wrapped.eval()
+    torch.testing.assert_close(rotary_inv_freq(wrapped), rotary_inv_freq(model))
+    ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    runner = HFModelRunner(wrapped, pad_id=0)
+    runner.prefill([ids])
+    runner.evict(0, 4, 12)
+    torch.testing.assert_close(runner.step([[5]])[0], _logits(wrapped, ids[:4] + ids[12:] + [5]), atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton", "native"])
 def test_layers_are_shifted_alike_and_must_share_a_shape(backend, monkeypatch):
     if backend == "native" and not kernels.native.supports(DEVICE):

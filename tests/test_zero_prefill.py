@@ -528,3 +528,21 @@ def test_a_prompt_joining_beside_a_staged_row_becomes_the_cached_prefix(deep):
     with torch.no_grad():
         want = deep(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(got[1], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_peft_wrapped_model_reselects_through_its_wrapper():
+    """An nf4 model keeps its adapter unmerged (a PeftModel): CacheBlend's probe finds the decoder's
+    layers through the wrapper, and with every staged token reselected the splice is exact."""
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(tiny_model(600, layers=4), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                   init_lora_weights=False)).eval()
+    context, block, segments = _stage_case(wrapped, torch.Generator().manual_seed(2))
+    exact = HFModelRunner(wrapped, pad_id=0)
+    exact.prefill([context])
+    want = exact.step([block])[0]
+    runner = HFModelRunner(wrapped, pad_id=0)
+    runner.prefill([context[:-1]])
+    staged = {0: ChunkKVStore(wrapped).block_kv(block, segments, len(block) - 1)}
+    got = runner.step([[context[-1], *block]], staged=staged, reselect={0: len(block) - 1})[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

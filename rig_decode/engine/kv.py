@@ -155,13 +155,13 @@ def parse_bytes(text: str) -> int:
 
 def kv_bytes_per_token_of(model) -> int:
     """KV bytes per token of a loaded HF model (its config and its compute dtype)."""
+    from ..kernels.rope import head_dim_of
+
     cfg = model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     dtype = next(model.parameters()).dtype
     itemsize = 2 if dtype.itemsize < 2 else dtype.itemsize  # 4-bit weights compute in 16 bits
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * itemsize
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim_of(cfg) * itemsize
 
 
 def available_memory(device) -> int:

@@ -69,6 +69,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..kernels import rope_shift_layers_, rotary_inv_freq, to_device
 from ..kernels.chunk_kv import value_deviation
+from ..kernels.rope import decoder_of
 
 PACKED_ATTENTION = "rig_packed"
 
@@ -546,7 +547,7 @@ class HFModelRunner:
         return logits
 
     def _decoder_layers(self):
-        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
+        layers = getattr(decoder_of(self.model), "layers", None)
         if layers is None:
             raise ValueError(f"{type(self.model).__name__} has no model.layers: CacheBlend's probe cannot stop "
                              "its forward at layer 2")

@@ -16,6 +16,8 @@ dtype (bf16 keys are rotated in fp32 and rounded once).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -80,15 +82,30 @@ def _check_layers(layers: list[torch.Tensor]) -> None:
         raise ValueError("two layers share memory (the same keys listed twice?): they would be rotated twice")
 
 
+def head_dim_of(config) -> int:
+    """A HF config's attention head size: its ``head_dim``, else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def decoder_of(model):
+    """The decoder stack of a HF causal LM (the module holding ``layers`` and ``rotary_emb``), also
+    through a PEFT wrapper (an nf4 model keeps its marker adapter unmerged)."""
+    get = getattr(model, "get_decoder", None)
+    return get() if callable(get) else getattr(model, "model", model)
+
+
 def rotary_inv_freq(model) -> torch.Tensor:
-    """The fp32 ``inv_freq`` of a HF decoder's rotary embedding (``model.model.rotary_emb``).
+    """The fp32 ``inv_freq`` of a HF decoder's rotary embedding (``decoder_of(model).rotary_emb``),
+    once the model is known to rotate its keys as the kernels move them.
 
     Re-rotation applies the pure rotation: a rope type whose ``attention_scaling`` is not 1 (YaRN)
-    scales keys once when they are computed, which a later rotation must not repeat. Rope types whose
-    frequencies change with the sequence length ("dynamic", "longrope") are refused.
+    scales keys once when they are computed, which a later rotation must not repeat. Refused: rope
+    types whose frequencies change with the sequence length ("dynamic", "longrope"), a rotary
+    embedding that covers part of the head, and one that pairs other dimensions than ``(i, i + d/2)``
+    (Cohere's and Helium's ``(2i, 2i + 1)``: ``_check_layout``).
     """
-    inner = getattr(model, "model", model)
-    rotary = getattr(inner, "rotary_emb", None)
+    decoder = decoder_of(model)
+    rotary = getattr(decoder, "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
         raise ValueError(f"{type(model).__name__} has no rotary embedding (model.rotary_emb.inv_freq): "
                          "cached keys cannot be moved")
@@ -97,9 +114,33 @@ def rotary_inv_freq(model) -> torch.Tensor:
         raise ValueError(f"rope type {kind!r} is not supported by KV re-rotation")
     inv_freq = rotary.inv_freq.detach().to(torch.float32)
     config = getattr(model, "config", None)
-    head_dim = getattr(config, "head_dim", None) or (
-        config.hidden_size // config.num_attention_heads if hasattr(config, "num_attention_heads") else None)
+    head_dim = head_dim_of(config) if hasattr(config, "num_attention_heads") else None
     if head_dim is not None and 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"the rotary embedding covers {2 * inv_freq.numel()} of head_dim {head_dim} "
                          "(partial rotary): KV re-rotation rotates whole heads")
+    _check_layout(decoder, rotary, inv_freq)
     return inv_freq
+
+
+def _check_layout(decoder, rotary, inv_freq: torch.Tensor, p: int = 3, s: int = 57) -> None:
+    """Refuse a model whose keys a shift would not move: one key through the model's own rotary code
+    (``apply_rotary_pos_emb`` of its modeling module) at positions ``p`` and ``p + s`` must equal the
+    first shifted by ``s`` here."""
+    module = sys.modules.get(type(decoder).__module__)
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if apply is None:
+        raise ValueError(f"{type(decoder).__module__} has no apply_rotary_pos_emb: the layout of "
+                         f"{type(decoder).__name__}'s rotary embedding cannot be checked, so its keys are not moved")
+    d = 2 * inv_freq.numel()
+    key = torch.randn(1, 1, 1, d, generator=torch.Generator().manual_seed(0)).to(inv_freq.device).expand(1, 1, 2, d)
+    try:
+        cos, sin = rotary(key, torch.tensor([[p, p + s]], device=inv_freq.device))
+        rotated, _ = apply(key, key, cos, sin)
+    except Exception as e:  # a rotary embedding of another signature (e.g. multimodal positions)
+        raise ValueError(f"{type(rotary).__name__} could not be probed for its layout ({type(e).__name__}: {e}): "
+                         "its keys are not moved") from None
+    one = torch.zeros(1, dtype=torch.long, device=inv_freq.device)
+    moved = rope_shift_ref_(rotated[:, :, :1].float().clone(), one, one, one.float() + s, inv_freq)
+    if not torch.allclose(moved, rotated[:, :, 1:].float(), atol=1e-3, rtol=1e-3):
+        raise ValueError(f"{type(decoder).__name__} rotates other pairs of key dimensions than (i, i + head_dim/2), "
+                         "the layout KV re-rotation moves: its keys are not moved")
