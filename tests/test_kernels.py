@@ -131,6 +131,19 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
+def test_a_rope_whose_layout_cannot_be_probed_is_refused(monkeypatch):
+    import transformers.models.llama.modeling_llama as llama
+
+    model = tiny_model(64)
+    monkeypatch.delattr(llama, "apply_rotary_pos_emb")
+    with pytest.raises(ValueError, match="has no apply_rotary_pos_emb"):
+        rotary_inv_freq(model)
+    monkeypatch.undo()
+    monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, position_ids: 1 / 0)
+    with pytest.raises(ValueError, match="could not be probed for its layout"):
+        rotary_inv_freq(model)
+
+
 
 @pytest.mark.parametrize("arch", ["cohere", "helium"])
 def test_a_rope_pairing_other_dimensions_is_refused(arch):
