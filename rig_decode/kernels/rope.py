@@ -139,8 +139,8 @@ def _check_layout(decoder, rotary, inv_freq: torch.Tensor, p: int = 3, s: int = 
     except Exception as e:  # a rotary embedding of another signature (e.g. multimodal positions)
         raise ValueError(f"{type(rotary).__name__} could not be probed for its layout ({type(e).__name__}: {e}): "
                          "its keys are not moved") from None
-    one = torch.zeros(1, dtype=torch.long, device=inv_freq.device)
-    moved = rope_shift_ref_(rotated[:, :, :1].float().clone(), one, one, one.float() + s, inv_freq)
+    zero = torch.zeros(1, dtype=torch.long, device=inv_freq.device)  # row 0, column 0: the key at p
+    moved = rope_shift_ref_(rotated[:, :, :1].float().clone(), zero, zero, zero.float() + s, inv_freq)
     if not torch.allclose(moved, rotated[:, :, 1:].float(), atol=1e-3, rtol=1e-3):
         raise ValueError(f"{type(decoder).__name__} rotates other pairs of key dimensions than (i, i + head_dim/2), "
                          "the layout KV re-rotation moves: its keys are not moved")
