@@ -282,21 +282,19 @@ class RigEngine:
         rows = [i for i in ready if self.running[i].staged_block is not None]
         if not rows:
             return {}
-        blocks = [self.running[i].staged_block for i in rows]
-        used = [self.chunks.pieces(*block) for block in blocks]
-        missing = [list(dict.fromkeys(piece for piece in pieces if piece not in self.chunks)) for pieces in used]
         t0 = time.perf_counter()
-        kvs = self.chunks.blocks_kv(blocks)
+        assembled = self.chunks.blocks_kv([self.running[i].staged_block for i in rows])
         kv_ms = (time.perf_counter() - t0) * 1e3
-        for i, pieces, missed in zip(rows, used, missing):
+        for i, block in zip(rows, assembled):
             s = self.running[i]
             s.trace.splice_ms += kv_ms
             step = s.trace.retrieval_steps[-1]
             step.splice_ms += kv_ms
-            step.info["zero_prefill"].update(piece_hits=len(pieces) - len(missed), piece_misses=len(missed),
+            missed = block.computed
+            step.info["zero_prefill"].update(piece_hits=len(block.pieces) - len(missed), piece_misses=len(missed),
                                              piece_tokens_computed=sum(len(ids) for _, ids in missed),
                                              blocks_assembled_together=len(rows), kv_ms=round(kv_ms, 3))
-        return dict(zip(rows, kvs))
+        return {i: (block.kv, block.shifts) for i, block in zip(rows, assembled)}
 
     # -- schedule -----------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from numbers import Integral
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,15 @@ from . import to_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
 Piece = tuple[tuple[int, ...], tuple[int, ...]]  # (lead, token ids): the KV of the ids, computed after the lead
+
+
+class StagedBlock(NamedTuple):
+    """A block's KV assembled from its pieces (``ChunkKVStore.blocks_kv``)."""
+
+    kv: KV  # of the block's first ``count`` tokens, keys at piece-local positions
+    shifts: torch.Tensor  # per column, its distance from its place in the block (host)
+    pieces: list[Piece]  # the pieces those tokens use, in order
+    computed: list[Piece]  # of them, those no tier held (computed in this call), each once
 
 
 def _key(piece) -> Piece:
@@ -178,12 +188,15 @@ class ChunkKVStore:
         lead, computed on a miss."""
         return self.get_many([(tuple(lead), ids)])[0]
 
-    @torch.no_grad()
     def get_many(self, pieces: list[Piece | list[int]]) -> list[KV]:
         """Each piece's KV on the model's device (as ``get``); the pieces neither tier holds are
         computed together, in one forward (``_compute``), then stored; one that starts another of
         them is that one's first columns."""
-        keys = [_key(piece) for piece in pieces]
+        return self._fetch([_key(piece) for piece in pieces])[0]
+
+    @torch.no_grad()
+    def _fetch(self, keys: list[Piece]) -> tuple[list[KV], set[Piece]]:
+        """``get_many`` of these keys, and the keys neither tier held (computed here)."""
         found: dict[Piece, KV] = {}
         missing: list[Piece] = []
         for key in keys:
@@ -202,7 +215,7 @@ class ChunkKVStore:
         for key in missing:
             if key not in found:
                 found[key] = _first(found[next(other for other in computed if _starts(key, other))], len(key[1]))
-        return [found[key] for key in keys]
+        return [found[key] for key in keys], set(missing)
 
     def _held(self, key: Piece) -> KV | None:
         """The piece's KV on the device, if either tier holds it (or a longer piece it starts: that
@@ -311,20 +324,25 @@ class ChunkKVStore:
         or none), and each column's shift to its place in the block, on the host (the runner adds
         the row's length there, without a device sync). A piece cut by ``count`` contributes its
         first tokens: with causal attention a prefix's KV does not depend on what follows it."""
-        return self.blocks_kv([(token_ids, segments, count, leads)])[0]
+        block = self.blocks_kv([(token_ids, segments, count, leads)])[0]
+        return block.kv, block.shifts
 
-    def blocks_kv(self, blocks: list[tuple]) -> list[tuple[KV, torch.Tensor]]:
-        """``block_kv`` of each ``(token_ids, segments, count[, leads])``; the pieces any of them
-        lacks are computed together, in one forward (rows splicing in the same step share it)."""
+    def blocks_kv(self, blocks: list[tuple]) -> list[StagedBlock]:
+        """``block_kv`` of each ``(token_ids, segments, count[, leads])``, with the pieces it uses
+        and those of them no tier held; the pieces any of them lacks are computed together, in one
+        forward (rows splicing in the same step share it)."""
         used = [self._pieces(*block) for block in blocks]
-        kvs = iter(self.get_many([piece for pieces in used for piece, _, _ in pieces]))
+        kvs, missing = self._fetch([piece for pieces in used for piece, _, _ in pieces])
+        kvs = iter(kvs)
         out = []
         for pieces in used:
-            parts = [[(k[:, :, :take], v[:, :, :take]) for k, v in next(kvs)] for _, _, take in pieces]
+            parts = [_first(next(kvs), take) for _, _, take in pieces]
             shifts = [torch.full((take,), float(a - len(self.prefix) - len(lead))) for (lead, _), a, take in pieces]
             layers = [(torch.cat([p[i][0] for p in parts], dim=2), torch.cat([p[i][1] for p in parts], dim=2))
                       for i in range(len(parts[0]))]
-            out.append((layers, torch.cat(shifts)))
+            keys = [piece for piece, _, _ in pieces]
+            computed = list(dict.fromkeys(key for key in keys if key in missing))
+            out.append(StagedBlock(layers, torch.cat(shifts), keys, computed))
         return out
 
     @classmethod
