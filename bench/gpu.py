@@ -35,7 +35,8 @@ runner's shared-prefix cache, which would hold a lone prompt's KV twice, and the
 buffers are bounded by the planned KV budget, as the engine bounds them.
 
 Timed regions are synchronised on CUDA; each figure is the median of a few repeats after one
-warm-up. Progress goes to stderr; stdout gets a table, then ONE JSON line last.
+warm-up. Progress goes to stderr; stdout gets a table, then ONE JSON line last. Stopped by SIGTERM
+(``timeout``), it still prints them, with the sections that ran (``"complete": false``).
 
 On a GPU box (needs bitsandbytes with CUDA, optionally faiss-gpu; sized to finish well within 8
 minutes on an H200)::
@@ -55,6 +56,7 @@ import gc
 import json
 import math
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -525,9 +527,22 @@ def cap_memory(device: torch.device, cap_bytes: int) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
 
 
+class Stopped(BaseException):
+    """SIGTERM arrived: a BaseException, so no section's error handling takes it for its own failure."""
+
+
+def stop_on_sigterm():
+    """Raise ``Stopped`` on SIGTERM from now on; returns the handler it replaced."""
+    def stop(signum, frame):
+        raise Stopped()
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 def run_sections(bench: Bench) -> None:
     """Each section in turn (name, function, whether it needs the model); a failure is reported in
-    its row and the rest still run."""
+    its row and the rest still run. On SIGTERM a ``stopped`` row names the sections not finished,
+    and ``Stopped`` is raised."""
     t_start = time.perf_counter()
     sections = [("model", bench.build, False), ("index", bench.build_index, False),
                 ("decode", bench.decode, True)]
@@ -535,28 +550,37 @@ def run_sections(bench: Bench) -> None:
     sections += [("zero-prefill pieces", bench.cold_pieces, True)]
     sections += [("evict", bench.evict, True), ("search", bench.search, False), ("rerank", bench.rerank, False),
                  ("memory", bench.memory, True)]
-    for name, fn, needs_model in sections:
-        if needs_model and bench.model is None:
-            bench.report.failed(name, "skipped: the model was not built")
-            continue
-        if name == "search" and bench.index is None and bench.faiss_index is None:
-            bench.report.failed(name, "skipped: the index was not built")
-            continue
+    for done, (name, fn, needs_model) in enumerate(sections):
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
-                fn()
-        except torch.cuda.OutOfMemoryError as e:
-            bench.oom = True
-            bench.report.failed(name, f"out of memory under the cap: {str(e).splitlines()[0]}")
-        except Exception as e:  # noqa: BLE001 - one failed section must not lose the others' figures
-            traceback.print_exc(file=sys.stderr)
-            bench.report.failed(name, f"{type(e).__name__}: {e}")
-        gc.collect()  # hand back what the section held before the next one allocates under the cap
-        if bench.device.type == "cuda":
-            torch.cuda.empty_cache()
+            run_section(bench, name, fn, needs_model)
+        except Stopped:
+            left = ", ".join(n for n, _, _ in sections[done:])
+            bench.report.failed("stopped", f"SIGTERM {time.perf_counter() - t_start:.0f} s in; not finished: {left}")
+            raise
         now = time.perf_counter()
         log(f"{name}: {now - t0:.1f} s (total {now - t_start:.1f} s)")
+
+
+def run_section(bench: Bench, name: str, fn, needs_model: bool) -> None:
+    if needs_model and bench.model is None:
+        bench.report.failed(name, "skipped: the model was not built")
+        return
+    if name == "search" and bench.index is None and bench.faiss_index is None:
+        bench.report.failed(name, "skipped: the index was not built")
+        return
+    try:
+        with torch.no_grad():
+            fn()
+    except torch.cuda.OutOfMemoryError as e:
+        bench.oom = True
+        bench.report.failed(name, f"out of memory under the cap: {str(e).splitlines()[0]}")
+    except Exception as e:  # noqa: BLE001 - one failed section must not lose the others' figures
+        traceback.print_exc(file=sys.stderr)
+        bench.report.failed(name, f"{type(e).__name__}: {e}")
+    gc.collect()  # hand back what the section held before the next one allocates under the cap
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def rounded(obj):
@@ -593,7 +617,14 @@ def main(argv=None) -> int:
     bench = Bench(shapes, device, dtype, quant, report)
     log(f"{shapes.name} on {device} ({quantization}, {str(dtype).removeprefix('torch.')}), "
         f"cap {shapes.cap_bytes / GiB:.0f} GiB")
-    run_sections(bench)
+    previous = stop_on_sigterm()
+    try:
+        run_sections(bench)
+        complete = True
+    except Stopped:
+        complete = False
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(report.table())
     result = {
         "bench": "gpu",
@@ -607,9 +638,10 @@ def main(argv=None) -> int:
         "na": report.na,
         "errors": report.errors,
         "elapsed_s": round(time.perf_counter() - t0, 1),
+        "complete": complete,
     }
     print(json.dumps(rounded(result)))
-    return 1 if report.errors else 0
+    return 1 if report.errors or not complete else 0
 
 
 if __name__ == "__main__":

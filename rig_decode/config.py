@@ -141,7 +141,8 @@ class RigLoopConfig(_Section):
     gate: GateConfig = GateConfig()
     reuse_similarity: float | None = Field(0.8, ge=0.0, le=1.0)
     """A hop whose query is this similar (word-set Jaccard) to an earlier query of the same answer
-    or conversation references the documents that query found instead of searching again; null: off."""
+    or conversation references the documents that query found instead of searching again, while
+    they are still in context (with ``append_format: summary`` only those in the prompt); null: off."""
     citations: bool = False
     """Let the model cite evidence as ``[n]``, constrained to documents it has seen; citations are
     listed (with doc ids) and checked against the cited text in the trace and the API response."""

@@ -65,13 +65,17 @@ class EvidenceMemory:
         return f"Evidence retrieved earlier in this conversation:\n<evidence>\n{lines}</evidence>"
 
 
-def find_reuse(query: str, memory: EvidenceMemory | None, trace: Trace, threshold: float) -> Reuse | None:
+def find_reuse(query: str, memory: EvidenceMemory | None, trace: Trace, threshold: float,
+               hops_in_context: bool = True) -> Reuse | None:
     """The most similar earlier query (conversation memory, then this answer's hops), when it is
-    at least ``threshold`` similar."""
-    in_context = {d.number for d in memory.in_prompt()} if memory else set()
-    candidates = [(q, n) for q, n in memory.queries if set(n) <= in_context] if memory else []
-    candidates += [(s.query, [d.number for d in s.docs] or s.info.get("reuse", {}).get("numbers", []))
-                   for s in trace.retrieval_steps if s.query]
+    at least ``threshold`` similar and its documents are still in context. ``hops_in_context``
+    false: this answer's evidence blocks leave the cache at its next hop (``append_format:
+    summary``), so only documents in the prompt can be pointed to."""
+    in_prompt = {d.number for d in memory.in_prompt()} if memory else set()
+    candidates = [(q, n) for q, n in memory.queries if set(n) <= in_prompt] if memory else []
+    hops = [(s.query, [d.number for d in s.docs] or s.info.get("reuse", {}).get("numbers", []))
+            for s in trace.retrieval_steps if s.query]
+    candidates += hops if hops_in_context else [(q, n) for q, n in hops if set(n) <= in_prompt]
     best = None
     for earlier, numbers in candidates:
         if not numbers:

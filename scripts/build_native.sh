@@ -26,7 +26,13 @@ if [ -n "$TORCH_CUDA" ] && ! command -v nvcc >/dev/null; then
 fi
 
 start=$(date +%s)
+# CMake keeps the torch it first found in its cache, whatever CMAKE_PREFIX_PATH says later: a build
+# directory configured for another torch (another interpreter) is started afresh.
+if [ -d "$BUILD_DIR" ] && [ "$(cat "$BUILD_DIR/torch-prefix" 2>/dev/null)" != "$TORCH_PREFIX" ]; then
+  rm -rf "$BUILD_DIR"
+fi
 mkdir -p "$BUILD_DIR"
+echo "$TORCH_PREFIX" >"$BUILD_DIR/torch-prefix"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
   -DPython3_EXECUTABLE="$PYTHON" >"$BUILD_DIR/configure.log" 2>&1 \
   || { cat "$BUILD_DIR/configure.log" >&2; fail "cmake configure failed (log above)"; }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, SmolLM3Config, SmolLM3ForCausalLM
 
 from rig_decode.retrieval.base import Hit
 
@@ -96,6 +96,19 @@ def one_layer_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
     model = tiny_model(vocab_size, seed=seed)
     model.config.num_hidden_layers = 1
     model.model.layers = model.model.layers[:1]
+    return model
+
+
+def smollm3_one_layer(vocab_size: int, *, rope: bool, seed: int = 0):
+    """A one-layer SmolLM3, with or without RoPE in its layer: SmolLM3 runs some layers without
+    position encoding (NoPE), whose cached keys carry no position."""
+    torch.manual_seed(seed)
+    cfg = SmolLM3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, no_rope_layers=[int(rope)], initializer_range=0.2,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = SmolLM3ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = 2
     return model
 
 

@@ -1,10 +1,13 @@
 """bench/gpu.py at its small CPU shapes: every section runs, the table comes first, the JSON last."""
 
+import json
+import signal
 import subprocess
+import sys
 
 import pytest
 
-from .helpers import bench_output, run_bench
+from .helpers import ROOT, bench_output, run_bench
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -23,7 +26,7 @@ def _check(proc: subprocess.CompletedProcess) -> dict:
         assert f"\n{section} " in table, section
 
     assert result["bench"] == "gpu" and result["device"] == "cpu" and result["shapes"] == "small"
-    assert result["errors"] == {}
+    assert result["errors"] == {} and result["complete"] is True
     contexts = [str(c) for c in result["contexts"]]
     assert contexts == ["256", "512"]
     assert set(result["decode_tok_s"]) == {"1", "8"}
@@ -58,3 +61,21 @@ def test_small_shapes_in_nf4_on_cpu():
     result = _check(_run("--quant", "nf4"))
     assert result["quantization"] == "nf4" and result["dtype"] == "bfloat16"
     assert result["kv_bytes_per_token"] == 2 * 3 * 2 * 32 * 2
+
+
+def test_sigterm_still_prints_the_sections_that_ran():
+    """Stopped by ``timeout`` (the GPU check's limit), the bench prints the table and JSON of what
+    it measured, with a ``stopped`` row naming the sections it did not finish, and exits 1."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # progress: one line per section
+        if line.startswith("[bench/gpu] decode:"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, _ = proc.communicate(timeout=120)
+    lines = out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert proc.returncode == 1 and result["complete"] is False
+    assert all(v > 0 for v in result["decode_tok_s"].values())  # measured before the signal: kept
+    assert "memory" in result["errors"]["stopped"] and "search_ms" not in result
+    assert any(line.startswith("stopped ") for line in lines[:-1])

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():  # Triton runs on CPU tensors only in its inte
 
 from rig_decode import kernels  # noqa: E402
 from rig_decode.engine.runner_hf import HFModelRunner  # noqa: E402
-from rig_decode.kernels.rope import rope_shift_ref_, rotary_inv_freq  # noqa: E402
+from rig_decode.kernels.rope import rope_layers, rope_shift_ref_, rotary_inv_freq  # noqa: E402
 
-from .helpers import one_layer_model, tiny_model  # noqa: E402
+from .helpers import one_layer_model, smollm3_one_layer, tiny_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -206,7 +206,8 @@ def test_layers_are_shifted_alike_and_must_share_a_shape(backend, monkeypatch):
     buf = torch.randn(2, *keys.shape, device=DEVICE)
     overlapping = buf.view(-1)[16 : 16 + keys.numel()].view(keys.shape)  # buf[0] moved on by one key
     for bad, what in (([*layers, keys[:, :, :4]], "one shape"), ([*layers, keys.double()], "dtype"),
-                      ([*layers, layers[0]], "share memory"), ([buf[0], overlapping], "share memory")):
+                      ([*layers, layers[0]], "share memory"), ([buf[0], overlapping], "share memory"),
+                      ([*layers, keys[:1].expand_as(keys)], "several indices")):
         with pytest.raises(ValueError, match=what):
             kernels.rope_shift_layers_(bad, rows, cs, shift, inv)
     kernels.rope_shift_layers_([buf[1], buf[0]], rows, cs, shift, inv)  # adjacent, not shared: fine
@@ -243,6 +244,29 @@ def test_eviction_then_decoding_matches_a_fresh_prefill_one_layer():
             torch.testing.assert_close(logits[row], _logits(model, kept[row]), atol=2e-4, rtol=2e-4)
     runner.compact(force=True)
     assert runner.lengths == [len(k) for k in kept] and runner.num_columns == max(runner.lengths)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_eviction_leaves_the_keys_of_a_layer_without_rope_as_they_are(rope):
+    """SmolLM3 runs some layers without RoPE (NoPE): their keys carry no position, so eviction moves
+    them unrotated, and decoding afterwards matches a fresh prefill of the kept tokens either way."""
+    model = smollm3_one_layer(600, rope=rope, seed=1)
+    assert rope_layers(model) == ([0] if rope else [])
+    ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([ids])
+    runner.evict(0, 4, 12)
+    torch.testing.assert_close(runner.step([[5]])[0], _logits(model, ids[:4] + ids[12:] + [5]), atol=2e-4, rtol=2e-4)
+
+
+def test_rope_layers_skips_the_layers_a_model_runs_without_rope():
+    import transformers
+
+    config = transformers.SmolLM3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
+                                        bos_token_id=1, eos_token_id=2)  # by default, NoPE every 4th layer
+    assert rope_layers(transformers.SmolLM3ForCausalLM(config)) == [0, 1, 2, 4, 5, 6]
+    assert rope_layers(tiny_model(100, layers=3)) == [0, 1, 2]
 
 
 def _prefilled(seed: int, n: int):

@@ -46,6 +46,12 @@ def test_memory_numbers_documents_once():
     small.remember(t)
     assert [d.id for d in small.in_prompt()] == ["b", "c"] and "[1]" not in small.prompt_text()
     assert find_reuse("q1", small, Trace(), 0.8) is None  # its documents left the prompt
+    # Summary mode: this answer's blocks leave the cache, so only documents in the prompt count.
+    assert find_reuse("q2", None, t, 0.8).numbers == [3, 4]
+    assert find_reuse("q2", None, t, 0.8, hops_in_context=False) is None
+    assert find_reuse("q2", small, t, 0.8, hops_in_context=False) is None  # [3] is not in the prompt
+    reused = Trace(retrieval_steps=[RetrievalStep(1, "q9", info={"reuse": {"numbers": [2, 4]}})])
+    assert find_reuse("q9", small, reused, 0.8, hops_in_context=False).numbers == [2, 4]
 
 
 def test_a_repeated_query_in_one_answer_is_not_searched_again(model, tok):

@@ -70,6 +70,29 @@ def test_summary_keeps_only_the_latest_evidence_block(one_layer, tok):
         assert a.token_ids == b.token_ids and a.evicted == b.evicted
 
 
+@pytest.mark.parametrize("append_format", ["full", "summary"])
+def test_a_repeated_query_reuses_evidence_only_while_it_is_in_context(one_layer, tok, append_format):
+    """The same query twice: with every block kept, the second hop points to the first one's
+    documents ("see [1] above"); in summary mode that block leaves the cache at the second hop,
+    so the second hop searches again and the documents are in context once more."""
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    query = vocab.marker_token_ids("error E1234 fixed in release")
+    opts = EngineOptions(max_iterations=3, max_new_tokens=70, evidence_token_budget=64, top_k=2,
+                         append_format=append_format, reuse_similarity=0.8)
+    retriever = ScriptedRetriever()
+    engine = RigEngine(one_layer, tok, retriever, opts, extra_processors=[ForceScript({0: {2: query, 30: query}})])
+    (s,) = engine.generate([engine.new_sequence(tok.encode(PROMPTS[0]), seq_id=0)])
+    first, second = s.trace.retrieval_steps
+    kept = tok.decode(s.kept_ids)
+    assert first.docs
+    if append_format == "full":
+        assert second.info["reuse"]["numbers"] == [d.number for d in first.docs] and not second.docs
+        assert len(retriever.batches) == 1 and "Already retrieved: see [1], [2] above" in kept
+    else:
+        assert "reuse" not in second.info and [d.id for d in second.docs] == [d.id for d in first.docs]
+        assert len(retriever.batches) == 2 and "Already retrieved" not in kept and first.docs[0].text in kept
+
+
 def test_full_format_evicts_nothing(model, tok):
     seqs = _run(model, tok, append_format="full")
     assert all(s.trace.evicted_tokens == 0 and s.kept_ids == s.token_ids for s in seqs)

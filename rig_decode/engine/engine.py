@@ -41,7 +41,7 @@ import torch
 from ..citations import CitationProcessor, trace_docs
 from ..evidence import EvidenceFormatter, number_hits
 from ..gate import GateProcessor, GateSettings
-from ..kernels import rotary_inv_freq
+from ..kernels import rope_layers, rotary_inv_freq
 from ..kernels.chunk_kv import ChunkKVStore
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
@@ -135,6 +135,7 @@ class RigEngine:
         if model is not None and not options.reprefill and (options.zero_prefill or options.append_format == "summary"):
             try:  # both move cached keys to other positions: refused now, not at the first hop
                 rotary_inv_freq(model)
+                rope_layers(model)
             except ValueError as e:
                 what = "zero_prefill" if options.zero_prefill else "append_format: summary"
                 raise ValueError(f"{what} re-rotates cached keys: {e}") from None
@@ -409,7 +410,8 @@ class RigEngine:
             s.parked_at = now
             reuse = None
             if s.query and self.opts.reuse_similarity is not None:
-                reuse = find_reuse(s.query, s.memory, s.trace, self.opts.reuse_similarity)
+                reuse = find_reuse(s.query, s.memory, s.trace, self.opts.reuse_similarity,
+                                   hops_in_context=self.opts.append_format != "summary")
             if reuse is not None:  # answered from documents already in context: no search
                 self._splice(s, [], None, now, reuse=reuse)
             elif s.query:

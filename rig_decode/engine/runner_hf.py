@@ -67,7 +67,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..kernels import rope_shift_layers_, rotary_inv_freq, to_device
+from ..kernels import rope_layers, rope_shift_layers_, rotary_inv_freq, to_device
 from ..kernels.chunk_kv import value_deviation
 from ..kernels.rope import decoder_of
 
@@ -353,7 +353,7 @@ class HFModelRunner:
         self.ends: list[int] = []  # each row's next free column: after its last real token (or an evicted tail)
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._capture: dict[int, list[int]] = {}  # row -> its prompt, whose KV becomes the cached prefix once fed
-        self._inv_freq: torch.Tensor | None = None
+        self._rope: tuple[torch.Tensor, list[int]] | None = None  # inv_freq, the layers it rotates
 
     @property
     def context_limit(self) -> int:
@@ -529,7 +529,7 @@ class HFModelRunner:
             if i not in widths or not isinstance(k, int) or not 0 <= k <= widths[i]:
                 raise ValueError(f"row {i} reselects {k!r} tokens; it stages {widths.get(i, 0)}")
         reselect = {i: k for i, k in reselect.items() if k}
-        self._rope_inv_freq()  # checked before anything is fed: the staged keys are re-rotated
+        self._rope_of_model()  # checked before anything is fed: the staged keys are re-rotated
         if reselect:
             self._decoder_layers()
         # A joining row's prompt is whole in the cache only after the last of the steps below.
@@ -638,8 +638,7 @@ class HFModelRunner:
             layer.write(rows_dev, cols_dev, torch.cat(keys).to(self.device), torch.cat(values).to(self.device), width)
         if not at:
             self._mark_written(widths, width)
-        rope_shift_layers_([layer.keys for layer in self.cache.layers], rows_idx, cols_idx, shift,
-                           self._rope_inv_freq())
+        self._shift_keys(rows_idx, cols_idx, shift)
 
     def _mark_written(self, counts: dict[int, int], width: int) -> None:
         """Rows ``i`` now hold ``counts[i]`` more real tokens at their next columns; the cache is
@@ -742,10 +741,17 @@ class HFModelRunner:
         work (``kernels.to_device``), so a hop's second forward can be queued while its first still runs."""
         return to_device(t, self.device)
 
-    def _rope_inv_freq(self) -> torch.Tensor:
-        if self._inv_freq is None:
-            self._inv_freq = rotary_inv_freq(self.model).to(self.device)
-        return self._inv_freq
+    def _rope_of_model(self) -> tuple[torch.Tensor, list[int]]:
+        """The model's ``inv_freq`` and the layers whose keys carry a rotation (checked once)."""
+        if self._rope is None:
+            self._rope = rotary_inv_freq(self.model).to(self.device), rope_layers(self.model)
+        return self._rope
+
+    def _shift_keys(self, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor) -> None:
+        """Rotate the cached keys at ``(rows[n], cols[n])`` by ``shift[n]`` positions, in every layer
+        that encodes positions in its keys (a NoPE layer's keys move as they are)."""
+        inv_freq, layers = self._rope_of_model()
+        rope_shift_layers_([self.cache.layers[i].keys for i in layers], rows, cols, shift, inv_freq)
 
     # -- removing rows, tokens and holes -----------------------------------------------------------
 
@@ -763,8 +769,7 @@ class HFModelRunner:
         if after.numel():
             rows = torch.full_like(after, row)
             shift = torch.full(after.shape, float(start - end))
-            rope_shift_layers_([layer.keys for layer in self.cache.layers], rows, after, shift,
-                               self._rope_inv_freq())
+            self._shift_keys(rows, after, shift)
         self.attn[row, cols[start:end]] = 0
         self.lengths[row] = n - (end - start)
 

@@ -20,9 +20,9 @@ import os
 import torch
 
 from . import native
-from .rope import _check, _check_layers, _rotate_, rope_shift_ref_, rotary_inv_freq
+from .rope import _check, _check_layers, _rotate_, rope_layers, rope_shift_ref_, rotary_inv_freq
 
-__all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rotary_inv_freq", "backend_for", "has_triton",
+__all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_layers", "rotary_inv_freq", "backend_for", "has_triton",
            "to_device"]
 
 

@@ -65,10 +65,13 @@ def _check(keys, rows, cols, shift, inv_freq) -> None:
 
 
 def _check_layers(layers: list[torch.Tensor]) -> None:
-    """Every layer's keys of one shape, dtype and device, no two sharing memory (the same keys
-    listed twice would be rotated twice)."""
+    """Every layer's keys of one shape, dtype and device, no two sharing memory and none whose
+    own elements share memory (keys listed twice, or expanded, would be rotated twice)."""
     first, spans = layers[0], []
     for keys in layers:
+        if torch._debug_has_internal_overlap(keys) == 1:  # 1: certainly overlaps (2: cannot tell)
+            raise ValueError(f"keys of shape {tuple(keys.shape)} and strides {keys.stride()} hold one element "
+                             "at several indices (expanded?): it would be rotated more than once")
         if (keys.shape, keys.dtype, keys.device) != (first.shape, first.dtype, first.device):
             raise ValueError(f"every layer's keys must have one shape, dtype and device, got {tuple(first.shape)} "
                              f"{first.dtype} on {first.device} and {tuple(keys.shape)} {keys.dtype} on {keys.device}")
@@ -92,6 +95,17 @@ def decoder_of(model):
     through a PEFT wrapper (an nf4 model keeps its marker adapter unmerged)."""
     get = getattr(model, "get_decoder", None)
     return get() if callable(get) else getattr(model, "model", model)
+
+
+def rope_layers(model) -> list[int]:
+    """The decoder layers whose keys carry their position: every layer but those whose attention
+    skips RoPE (``self_attn.use_rope`` false: the NoPE layers of SmolLM3, Llama 4, Mistral Large 4).
+    A NoPE layer's cached keys hold no position, so they move to other columns as they are."""
+    layers = getattr(decoder_of(model), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers): which of its "
+                         "keys carry a rotation cannot be told, so its keys are not moved")
+    return [i for i, layer in enumerate(layers) if getattr(getattr(layer, "self_attn", None), "use_rope", True)]
 
 
 def rotary_inv_freq(model) -> torch.Tensor:

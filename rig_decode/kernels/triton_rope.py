@@ -10,6 +10,8 @@ in fp32 and stores them back in the key dtype. Runs on CUDA, and on CPU under
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -55,10 +57,12 @@ def rope_shift_layers_triton_(layers: list[torch.Tensor], rows: torch.Tensor, co
     by_stride: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for keys in layers:
         by_stride.setdefault(keys.stride(), []).append(keys)
-    for strides, group in by_stride.items():
-        table = to_device(torch.tensor([k.data_ptr() for k in group], dtype=torch.int64), dev)
-        _rope_shift_kernel[(n, first.shape[1], len(group))](
-            table, group[0], *args, *strides, HALF=half, BLOCK=triton.next_power_of_2(half))
+    # Triton launches on the current device's stream: make that the keys' device, as the native op does.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        for strides, group in by_stride.items():
+            table = to_device(torch.tensor([k.data_ptr() for k in group], dtype=torch.int64), dev)
+            _rope_shift_kernel[(n, first.shape[1], len(group))](
+                table, group[0], *args, *strides, HALF=half, BLOCK=triton.next_power_of_2(half))
     torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 

@@ -80,7 +80,9 @@ void check_rope_shift_args(at::TensorList layers, const at::Tensor& rows, const 
                       keys.sizes(), " ", dtype, " on ", keys.device(), " and ", layer.sizes(), " ",
                       layer.scalar_type(), " on ", layer.device());
     // Two elements sharing memory (an expanded view) would be rotated twice.
-    at::assert_no_internal_overlap(layer);
+    TORCH_CHECK_VALUE(at::has_internal_overlap(layer) != at::MemOverlap::Yes, "rope_shift_layers_: keys of shape ",
+                      layer.sizes(), " and strides ", layer.strides(), " hold one element at several indices "
+                      "(expanded?): it would be rotated more than once");
   }
   check_layers_disjoint(layers);
 }
