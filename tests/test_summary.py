@@ -100,8 +100,24 @@ def test_full_format_evicts_nothing(model, tok):
 
 def test_summary_on_a_deep_model_decodes_and_bounds_the_cache(model, tok):
     """Deeper layers keep what a dropped block contributed (an approximation, measured by rig eval),
-    but the cache holds exactly the kept tokens, positions contiguous."""
-    seqs = _run(model, tok, append_format="summary")
+    but after every step each row's cache holds exactly its kept tokens (those not yet fed aside)."""
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    opts = EngineOptions(max_iterations=3, max_new_tokens=70, evidence_token_budget=64, top_k=2,
+                         append_format="summary")
+    engine = RigEngine(model, tok, ScriptedRetriever(), opts,
+                       extra_processors=[ForceScript(_script(vocab, tok.eos_token_id))])
+    seqs = [engine.new_sequence(tok.encode(p), seq_id=i) for i, p in enumerate(PROMPTS)]
+    for s in seqs:
+        engine.add(s)
+    runner, evicting = engine.runner, 0
+    while engine.has_unfinished:
+        engine.step()
+        for i, s in enumerate(engine.running):
+            if not s.is_finished:
+                kept = s.num_kept - len(s.pending)
+                assert runner.lengths[i] == int(runner.attn[i].sum()) == kept <= runner.ends[i]
+                evicting += bool(s.evicted)
+    assert evicting > 0
     assert [s.trace.num_hops for s in seqs][:2] == [2, 1] and seqs[2].trace.num_hops >= 2
     for s in seqs:
         assert s.finish_reason in ("stop", "length")
