@@ -21,7 +21,7 @@ import torch
 
 from rig_decode.config import ModelConfig
 from rig_decode.engine.runner_hf import new_cache
-from rig_decode.kernels import rope_shift_, rotary_inv_freq
+from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.markers import MarkerSpec
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import build_prompt
@@ -51,8 +51,9 @@ def main(argv=None) -> int:
     alone = kv_of(model, piece)
     keys = alone[0].keys.clone()
     n = len(piece)
+    rope = rope_of(model)
     rope_shift_(keys, torch.zeros(n, dtype=torch.long), torch.arange(n), torch.full((n,), float(at)),
-                rotary_inv_freq(model))
+                rope.inv_freq, rope.interleaved)
     key_err = (keys - ref[0].keys[:, :, at:]).abs().max().item()
 
     rows = {}

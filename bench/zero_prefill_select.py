@@ -76,7 +76,7 @@ from rig_decode.engine.runner_hf import _attention_implementation, _common_prefi
 from rig_decode.eval.metrics import contains_answer
 from rig_decode.eval.synth import generate
 from rig_decode.evidence import EvidenceFormatter
-from rig_decode.kernels import rope_shift_, rotary_inv_freq
+from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.kernels.chunk_kv import ChunkKVStore, value_deviation
 from rig_decode.markers import MarkerSpec
 from rig_decode.models.loader import load_model
@@ -292,7 +292,7 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     t0 = time.perf_counter()
     cases = make_cases(tok, examples, gold_first=gold_first)
     write_queries(model, tok, cases, spec)
-    inv_freq = rotary_inv_freq(model)
+    rope = rope_of(model)
     prefix = system_turn(tok, spec) if piece_prefix == "system" else None
     store = ChunkKVStore(model, max_bytes=1 << 30, prefix=prefix)
     stop = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t not in (None, tok.unk_token_id)}
@@ -328,9 +328,11 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
         segments, leads = doc_pieces(case, pieces)
         kv, shift = store.block_kv(case.block, segments, m, leads)
         stored = []
-        for k, v in kv:
+        for layer, (k, v) in enumerate(kv):
             k = k.clone()
-            rope_shift_(k, torch.zeros(m, dtype=torch.long), torch.arange(m), shift + c, inv_freq)
+            if layer in rope.layers:  # a NoPE layer's keys carry no position
+                rope_shift_(k, torch.zeros(m, dtype=torch.long), torch.arange(m), shift + c, rope.inv_freq,
+                            rope.interleaved)
             stored.append((k, v))
         dev = torch.stack([value_deviation(v, ref) for (_, v), (_, ref) in zip(stored, in_context)])  # [layers, m]
         deviation = {"deviation@all": dev.sum(0), **{f"deviation@{L}": dev[L] for L in probe_layers}}

@@ -112,6 +112,22 @@ def smollm3_one_layer(vocab_size: int, *, rope: bool, seed: int = 0):
     return model
 
 
+def neighbour_paired_model(arch: str, vocab_size: int, seed: int = 0):
+    """A one-layer Cohere or Helium model: both rotate the key pairs (2i, 2i + 1), not (i, i + d/2)."""
+    import transformers
+
+    name = arch.capitalize()
+    scale = {"logit_scale": 1.0} if arch == "cohere" else {}  # Cohere's default 1/16 shrinks every logit error
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, **scale)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    model.generation_config.eos_token_id = 2
+    return model
+
+
 class ScriptedRetriever:
     """Deterministic hits derived from the query text; records every batch it was asked."""
 

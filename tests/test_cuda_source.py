@@ -52,7 +52,7 @@ def test_the_triton_kernel_compiles_for_ampere_and_hopper(arch, dtype, half):
     # compile the same Python function.
     kernel = JITFunction(_rope_shift_kernel.fn)
     signature = {"table_ptr": "*i64", "k_ptr": f"*{dtype}", "rows_ptr": "*i64", "cols_ptr": "*i64", "shift_ptr": "*fp32",
-                 "freq_ptr": "*fp32", "stride_b": "i64", "stride_h": "i64", "stride_c": "i64", "stride_d": "i64",
+                 "freq_ptr": "*fp32", "stride_b": "i64", "stride_h": "i64", "stride_c": "i64", "step": "i64", "pair": "i64",
                  "HALF": "constexpr", "BLOCK": "constexpr"}
     source = ASTSource(kernel, signature, constexprs={"HALF": half, "BLOCK": triton.next_power_of_2(half)})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))

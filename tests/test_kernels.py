@@ -13,7 +13,7 @@ from rig_decode import kernels  # noqa: E402
 from rig_decode.engine.runner_hf import HFModelRunner  # noqa: E402
 from rig_decode.kernels.rope import rope_layers, rope_shift_ref_, rotary_inv_freq  # noqa: E402
 
-from .helpers import one_layer_model, smollm3_one_layer, tiny_model  # noqa: E402
+from .helpers import neighbour_paired_model, one_layer_model, smollm3_one_layer, tiny_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,7 +40,8 @@ def _case(gen, batch, heads, cols, dim, n, dtype, view):
     (4, 2, 31, 128, 57, torch.float32, "transposed"),
     (2, 2, 13, 64, 11, torch.bfloat16, "slice"),
 ])
-def test_triton_matches_reference(batch, heads, cols, dim, n, dtype, view):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_triton_matches_reference(batch, heads, cols, dim, n, dtype, view, interleaved):
     pytest.importorskip("triton")
     from rig_decode.kernels.triton_rope import rope_shift_triton_
 
@@ -48,8 +49,8 @@ def test_triton_matches_reference(batch, heads, cols, dim, n, dtype, view):
     keys, rows, cs, shift, inv = _case(gen, batch, heads, cols, dim, n, dtype, view)
     ref, out = keys.clone(), keys
     storage = out.data_ptr()
-    rope_shift_ref_(ref, rows, cs, shift, inv)
-    rope_shift_triton_(out, rows, cs, shift, inv)
+    rope_shift_ref_(ref, rows, cs, shift, inv, interleaved)
+    rope_shift_triton_(out, rows, cs, shift, inv, interleaved)
     assert out.data_ptr() == storage
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -100,19 +101,24 @@ def test_rotations_compose_and_invert():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_shift_matches_the_models_own_rope():
-    """Shifting a key computed at position p by s equals computing it at p + s (HF's rotary code)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+@pytest.mark.parametrize("arch", ["llama", "cohere"])
+def test_shift_matches_the_models_own_rope(arch):
+    """Shifting a key computed at position p by s equals computing it at p + s (HF's rotary code),
+    for either pairing of dimensions."""
+    import sys
 
-    model = tiny_model(64)
-    rotary, inv = model.model.rotary_emb, rotary_inv_freq(model)
+    model = tiny_model(64) if arch == "llama" else neighbour_paired_model(arch, 600)
+    apply_rotary_pos_emb = sys.modules[type(model.model).__module__].apply_rotary_pos_emb
+    rope = kernels.rope_of(model)
+    assert rope.interleaved == (arch == "cohere")
     k = torch.randn(1, 2, 6, 16)  # [batch, heads, positions, head_dim]
     pos, moved = torch.tensor([[0, 5, 9, 100, 1000, 2047]]), torch.tensor([[3, 0, 40, 7, 1500, 1]])
-    cos, sin = rotary(k, pos)
+    cos, sin = model.model.rotary_emb(k, pos)
     rotated, _ = apply_rotary_pos_emb(k, k, cos, sin)
-    cos2, sin2 = rotary(k, moved)
+    cos2, sin2 = model.model.rotary_emb(k, moved)
     expected, _ = apply_rotary_pos_emb(k, k, cos2, sin2)
-    rope_shift_ref_(rotated, torch.zeros(6, dtype=torch.long), torch.arange(6), (moved - pos)[0].float(), inv)
+    rope_shift_ref_(rotated, torch.zeros(6, dtype=torch.long), torch.arange(6), (moved - pos)[0].float(),
+                    rope.inv_freq, rope.interleaved)
     torch.testing.assert_close(rotated, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -146,19 +152,28 @@ def test_a_rope_whose_layout_cannot_be_probed_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["cohere", "helium"])
-def test_a_rope_pairing_other_dimensions_is_refused(arch):
-    """Cohere and Helium rotate the pairs (2i, 2i + 1), not (i, i + d/2): a shift would scramble
-    their keys, so re-rotation is refused (eviction too) and the cache is left as it was."""
-    import transformers
+def test_a_rope_pairing_neighbouring_dimensions_moves_its_keys(arch):
+    """Cohere and Helium rotate the pairs (2i, 2i + 1), not (i, i + d/2): their layout is found
+    and eviction rotates those pairs, exactly (one layer: the kept tokens' own cache)."""
+    model = neighbour_paired_model(arch, 600)
+    assert kernels.rope_of(model).interleaved
+    ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([ids])
+    runner.evict(0, 4, 12)
+    torch.testing.assert_close(runner.step([[5]])[0], _logits(model, ids[:4] + ids[12:] + [5]), atol=2e-4, rtol=2e-4)
 
-    name = arch.capitalize()
-    config = getattr(transformers, f"{name}Config")(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0)
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+def test_a_rope_pairing_dimensions_in_neither_layout_is_refused(monkeypatch):
+    """Keys whose dimensions a shift in neither layout moves are refused (eviction too), and the
+    cache is left as it was."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = one_layer_model(600)
+    apply = llama.apply_rotary_pos_emb
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", lambda q, k, cos, sin: tuple(t.flip(-1) for t in apply(q, k, cos, sin)))
     with pytest.raises(ValueError, match="other pairs of key dimensions"):
-        rotary_inv_freq(model)
+        kernels.rope_of(model)
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([list(range(3, 23))])
     keys = runner.cache.layers[0].keys.clone()
@@ -193,14 +208,15 @@ def test_layers_are_shifted_alike_and_must_share_a_shape(backend, monkeypatch):
     monkeypatch.setenv("RIG_KERNELS", backend)
     gen = torch.Generator().manual_seed(2)
     keys, rows, cs, shift, inv = _case(gen, 2, 2, 9, 16, 7, torch.float32, "contiguous")
-    layers = [keys.clone(), (keys * 2).clone()]
-    expected = [rope_shift_ref_(k.clone(), rows, cs, shift, inv) for k in layers]
-    versions = [k._version for k in layers]
-    out = kernels.rope_shift_layers_(layers, rows, cs, shift, inv)
-    assert out[0] is layers[0] and out[1] is layers[1]  # in place
-    assert all(k._version > v for k, v in zip(layers, versions))  # autograd sees the write
-    for got, want in zip(out, expected):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for interleaved in (False, True):
+        layers = [keys.clone(), (keys * 2).clone()]
+        expected = [rope_shift_ref_(k.clone(), rows, cs, shift, inv, interleaved) for k in layers]
+        versions = [k._version for k in layers]
+        out = kernels.rope_shift_layers_(layers, rows, cs, shift, inv, interleaved)
+        assert out[0] is layers[0] and out[1] is layers[1]  # in place
+        assert all(k._version > v for k, v in zip(layers, versions))  # autograd sees the write
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # Refused before any layer is written: another shape or dtype, or two layers sharing memory.
     before = [k.clone() for k in layers]
     buf = torch.randn(2, *keys.shape, device=DEVICE)

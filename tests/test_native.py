@@ -79,11 +79,11 @@ def _case(layout, batch, heads, columns, head_dim, n, dtype, gen, device="cpu", 
     return buf, view, rows, cols, shift, _inv_freq(head_dim, device)
 
 
-def _check_against_reference(buf, view, rows, cols, shift, inv_freq):
+def _check_against_reference(buf, view, rows, cols, shift, inv_freq, interleaved=False):
     expected = buf.clone()
-    rope_shift_ref_(view(expected), rows, cols, shift, inv_freq)
+    rope_shift_ref_(view(expected), rows, cols, shift, inv_freq, interleaved)
     keys = view(buf)
-    out = native.rope_shift_(keys, rows, cols, shift, inv_freq)
+    out = native.rope_shift_(keys, rows, cols, shift, inv_freq, interleaved)
     assert out is keys
     atol, rtol = TOLERANCE[buf.dtype]
     # The whole buffer: rotated entries match, everything else (other columns, memory outside the view) is untouched.
@@ -97,8 +97,9 @@ def _check_against_reference(buf, view, rows, cols, shift, inv_freq):
 def test_matches_reference(device, dtype, layout, head_dim):
     device = _device(device)
     gen = torch.Generator().manual_seed(head_dim)
-    for n, float_shift in ((0, False), (1, False), (2, True), (23, False), (39, True)):
-        _check_against_reference(*_case(layout, 3, 4, 13, head_dim, n, dtype, gen, device, float_shift))
+    for interleaved in (False, True):
+        for n, float_shift in ((0, False), (1, False), (2, True), (23, False), (39, True)):
+            _check_against_reference(*_case(layout, 3, 4, 13, head_dim, n, dtype, gen, device, float_shift), interleaved)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,7 +107,8 @@ def test_matches_reference(device, dtype, layout, head_dim):
 def test_matches_reference_many_positions(device, dtype):
     # Enough (position, head) pairs to be split across threads.
     gen = torch.Generator().manual_seed(1)
-    _check_against_reference(*_case("column_slice", 4, 8, 301, 64, 1000, dtype, gen, _device(device)))
+    for interleaved in (False, True):
+        _check_against_reference(*_case("column_slice", 4, 8, 301, 64, 1000, dtype, gen, _device(device)), interleaved)
 
 
 def test_in_place_leaves_other_columns_untouched():
@@ -196,8 +198,9 @@ def test_the_operator_is_registered_soundly(device):
     layers = [torch.randn(2, 3, 9, 16, generator=gen).to(device) for _ in range(2)]
     args = (layers, torch.tensor([0, 1, 1]), torch.tensor([3, 5, 8]), torch.tensor([2.0, -1.0, 4.0]),
             _inv_freq(16).to(device))
-    results = torch.library.opcheck(torch.ops.rig_decode.rope_shift_layers_.default, args)
-    assert set(results.values()) == {"SUCCESS"} and "test_faketensor" in results, results
+    for extra in ((), (True,)):  # interleaved: its default, and given
+        results = torch.library.opcheck(torch.ops.rig_decode.rope_shift_layers_.default, (*args, *extra))
+        assert set(results.values()) == {"SUCCESS"} and "test_faketensor" in results, results
 
 
 def test_layers_op_checks_every_layer_before_writing_any():

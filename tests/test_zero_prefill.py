@@ -16,7 +16,8 @@ from rig_decode.kernels.chunk_kv import ChunkKVStore
 from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.retrieval.base import Hit
 
-from .helpers import ForceScript, ScriptedRetriever, load_script, one_layer_model, smollm3_one_layer, tiny_model
+from .helpers import (ForceScript, ScriptedRetriever, load_script, neighbour_paired_model, one_layer_model,
+                      smollm3_one_layer, tiny_model)
 from .test_exactness import PROMPTS, _script
 from .test_summary import KeptRecorder
 
@@ -53,10 +54,12 @@ def test_zero_prefill_is_exact_on_one_layer(one_layer, tok, select):
     assert engine.chunks.hits > 0  # the evidence head and tail recur on every hop
 
 
-def test_zero_prefill_copies_the_keys_of_a_layer_without_rope_unrotated(tok):
-    """A NoPE layer (SmolLM3's) caches keys without position: pieces copied in unrotated leave
-    exactly the exact splice's cache."""
-    model = smollm3_one_layer(len(tok), rope=False, seed=2)
+@pytest.mark.parametrize("kind", ["nope", "interleaved"])
+def test_zero_prefill_is_exact_on_one_layer_of_another_rope(tok, kind):
+    """A NoPE layer (SmolLM3's) caches keys without position, and Cohere rotates the key pairs
+    (2i, 2i + 1): pieces copied in unrotated, or rotated in that layout, leave exactly the exact
+    splice's cache."""
+    model = smollm3_one_layer(len(tok), rope=False, seed=2) if kind == "nope" else neighbour_paired_model("cohere", len(tok), 2)
     rec = KeptRecorder()
     zero, engine = _run(model, tok, zero_prefill=True, recorder=rec)
     exact, _ = _run(model, tok, zero_prefill=False)

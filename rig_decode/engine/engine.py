@@ -41,7 +41,7 @@ import torch
 from ..citations import CitationProcessor, trace_docs
 from ..evidence import EvidenceFormatter, number_hits
 from ..gate import GateProcessor, GateSettings
-from ..kernels import rope_layers, rotary_inv_freq
+from ..kernels import rope_of
 from ..kernels.chunk_kv import ChunkKVStore
 from ..logits import marker_processors
 from ..markers import MarkerMatcher, MarkerSpec, MarkerVocab
@@ -134,8 +134,7 @@ class RigEngine:
                              f"{type(self.runner).__name__} cannot do; use the in-process (hf) backend")
         if model is not None and not options.reprefill and (options.zero_prefill or options.append_format == "summary"):
             try:  # both move cached keys to other positions: refused now, not at the first hop
-                rotary_inv_freq(model)
-                rope_layers(model)
+                rope_of(model)
             except ValueError as e:
                 what = "zero_prefill" if options.zero_prefill else "append_format: summary"
                 raise ValueError(f"{what} re-rotates cached keys: {e}") from None

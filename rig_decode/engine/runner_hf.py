@@ -67,7 +67,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..kernels import rope_layers, rope_shift_layers_, rotary_inv_freq, to_device
+from ..kernels import RopeSpec, rope_of, rope_shift_layers_, to_device
 from ..kernels.chunk_kv import value_deviation
 from ..kernels.rope import decoder_of
 
@@ -353,7 +353,7 @@ class HFModelRunner:
         self.ends: list[int] = []  # each row's next free column: after its last real token (or an evicted tail)
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._capture: dict[int, list[int]] = {}  # row -> its prompt, whose KV becomes the cached prefix once fed
-        self._rope: tuple[torch.Tensor, list[int]] | None = None  # inv_freq, the layers it rotates
+        self._rope: RopeSpec | None = None  # how the model rotates its keys, on first use
 
     @property
     def context_limit(self) -> int:
@@ -741,17 +741,19 @@ class HFModelRunner:
         work (``kernels.to_device``), so a hop's second forward can be queued while its first still runs."""
         return to_device(t, self.device)
 
-    def _rope_of_model(self) -> tuple[torch.Tensor, list[int]]:
-        """The model's ``inv_freq`` and the layers whose keys carry a rotation (checked once)."""
+    def _rope_of_model(self) -> RopeSpec:
+        """How the model rotates its keys (``kernels.rope_of``, checked once), its ``inv_freq`` on the device."""
         if self._rope is None:
-            self._rope = rotary_inv_freq(self.model).to(self.device), rope_layers(self.model)
+            spec = rope_of(self.model)
+            self._rope = spec._replace(inv_freq=spec.inv_freq.to(self.device))
         return self._rope
 
     def _shift_keys(self, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor) -> None:
         """Rotate the cached keys at ``(rows[n], cols[n])`` by ``shift[n]`` positions, in every layer
         that encodes positions in its keys (a NoPE layer's keys move as they are)."""
-        inv_freq, layers = self._rope_of_model()
-        rope_shift_layers_([self.cache.layers[i].keys for i in layers], rows, cols, shift, inv_freq)
+        rope = self._rope_of_model()
+        rope_shift_layers_([self.cache.layers[i].keys for i in rope.layers], rows, cols, shift, rope.inv_freq,
+                           rope.interleaved)
 
     # -- removing rows, tokens and holes -----------------------------------------------------------
 

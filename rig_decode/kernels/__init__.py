@@ -20,10 +20,10 @@ import os
 import torch
 
 from . import native
-from .rope import _check, _check_layers, _rotate_, rope_layers, rope_shift_ref_, rotary_inv_freq
+from .rope import RopeSpec, _check, _check_layers, _rotate_, rope_layers, rope_of, rope_shift_ref_, rotary_inv_freq
 
-__all__ = ["rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_layers", "rotary_inv_freq", "backend_for", "has_triton",
-           "to_device"]
+__all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_layers", "rope_of", "rotary_inv_freq",
+           "backend_for", "has_triton", "to_device"]
 
 
 def has_triton() -> bool:
@@ -59,14 +59,15 @@ def backend_for(device: torch.device) -> str:
 
 
 def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                inv_freq: torch.Tensor) -> torch.Tensor:
+                inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate ``keys[rows[n], :, cols[n], :]`` by ``shift[n]`` positions in place (see ``rope.py``);
-    the (row, column) pairs must be distinct."""
-    return rope_shift_layers_([keys], rows, cols, shift, inv_freq)[0]
+    the (row, column) pairs must be distinct. ``interleaved``: the rotated pairs of dimensions are
+    ``(2i, 2i + 1)``, not ``(i, i + head_dim/2)``."""
+    return rope_shift_layers_([keys], rows, cols, shift, inv_freq, interleaved)[0]
 
 
 def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                       inv_freq: torch.Tensor) -> list[torch.Tensor]:
+                       inv_freq: torch.Tensor, interleaved: bool = False) -> list[torch.Tensor]:
     """``rope_shift_`` on every layer's keys (one shape, dtype and device, no two sharing memory)
     with the same entries, checked once for all layers before anything is written.
 
@@ -80,17 +81,17 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     first = layers[0]
     backend = backend_for(first.device)
     if backend == "native":  # checks everything itself, and computes the angles once
-        return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
+        return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq, interleaved)
     _check(first, rows, cols, shift, inv_freq)
     _check_layers(layers)
     rows, cols, shift, inv_freq = (to_device(t, first.device) for t in (rows, cols, shift, inv_freq))
     if backend == "torch":
         for keys in layers:
-            _rotate_(keys, rows, cols, shift, inv_freq)
+            _rotate_(keys, rows, cols, shift, inv_freq, interleaved)
         return layers
     from .triton_rope import rope_shift_layers_triton_
 
-    return rope_shift_layers_triton_(layers, rows, cols, shift, inv_freq)
+    return rope_shift_layers_triton_(layers, rows, cols, shift, inv_freq, interleaved)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -93,7 +93,7 @@ def supports(device: torch.device | str) -> bool:
 
 
 def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                       inv_freq: torch.Tensor) -> list[torch.Tensor]:
+                       inv_freq: torch.Tensor, interleaved: bool = False) -> list[torch.Tensor]:
     """``rope.rope_shift_ref_`` on every layer's keys (one shape, dtype and device, no two sharing
     memory) with the same entries, by the native kernel.
 
@@ -105,12 +105,12 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     """
     if not available():
         raise RuntimeError(f"the native extension rig_decode._C is not available: {load_error()}")
-    torch.ops.rig_decode.rope_shift_layers_(layers, rows, cols, shift, inv_freq)
+    torch.ops.rig_decode.rope_shift_layers_(layers, rows, cols, shift, inv_freq, interleaved)
     torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 
 
 def rope_shift_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                inv_freq: torch.Tensor) -> torch.Tensor:
+                inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """``rope_shift_layers_`` on one tensor of keys."""
-    return rope_shift_layers_([keys], rows, cols, shift, inv_freq)[0]
+    return rope_shift_layers_([keys], rows, cols, shift, inv_freq, interleaved)[0]

@@ -1,7 +1,8 @@
 """RoPE re-rotation of cached keys: the plain-torch reference (the CPU path).
 
-A key cached at position ``p`` holds ``R(p) k`` where ``R`` rotates each pair ``(k[i], k[i + d/2])``
-by ``p * inv_freq[i]`` (the ``rotate_half`` layout of HF Llama, Qwen2, Mistral...). Rotations add,
+A key cached at position ``p`` holds ``R(p) k`` where ``R`` rotates pairs of its dimensions by
+``p * inv_freq[i]``: the pairs ``(k[i], k[i + d/2])`` (the ``rotate_half`` layout of HF Llama, Qwen2,
+Mistral...) or, ``interleaved``, ``(k[2i], k[2i + 1])`` (Cohere, Helium). Rotations add,
 so ``R(s) R(p) k = R(p + s) k``: moving a cached key to another position is one more rotation by the
 shift ``s``, with no need for the token's hidden state. Two hop-time operations are built on it:
 
@@ -11,29 +12,32 @@ shift ``s``, with no need for the token's hidden state. Two hop-time operations 
   a sequence's cache at positions ``L..L+m-1`` by shifting its keys by ``L`` (``kernels/chunk_kv``).
 
 Values carry no position and are moved as they are. The angle is computed in fp32 whatever the cache
-dtype (bf16 keys are rotated in fp32 and rounded once).
+dtype (bf16 keys are rotated in fp32 and rounded once). ``rope_of`` says how a HF model rotates its
+keys (frequencies, layout, which layers), once it has checked that the kernels can move them.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 
 
 def rope_shift_ref_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                    inv_freq: torch.Tensor) -> torch.Tensor:
+                    inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate ``keys[rows[n], :, cols[n], :]`` by ``shift[n]`` positions, in place.
 
     ``keys``: ``[batch, num_kv_heads, columns, head_dim]`` (any strides); ``rows``, ``cols``: int64
     ``[N]``; ``shift``: ``[N]`` (positions to add, negative moves back); ``inv_freq``: fp32
-    ``[head_dim // 2]``. Returns ``keys``.
+    ``[head_dim // 2]``; ``interleaved``: the pairs are ``(2i, 2i + 1)``, not ``(i, i + d/2)``.
+    Returns ``keys``.
     """
     _check(keys, rows, cols, shift, inv_freq)
-    return _rotate_(keys, rows, cols, shift, inv_freq)
+    return _rotate_(keys, rows, cols, shift, inv_freq, interleaved)
 
 
-def _rotate_(keys, rows, cols, shift, inv_freq) -> torch.Tensor:
+def _rotate_(keys, rows, cols, shift, inv_freq, interleaved: bool = False) -> torch.Tensor:
     """``rope_shift_ref_`` without the checks (made once by the caller)."""
     if rows.numel() == 0:
         return keys
@@ -41,9 +45,10 @@ def _rotate_(keys, rows, cols, shift, inv_freq) -> torch.Tensor:
     angle = shift.to(keys.device, torch.float32)[:, None] * inv_freq.to(keys.device, torch.float32)[None, :]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # [N, 1, half]: broadcast over heads
     k = keys[rows, :, cols, :].to(torch.float32)  # [N, H, D] (advanced indexing copies)
-    k1, k2 = k[..., :half], k[..., half:]
-    out = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
-    keys[rows, :, cols, :] = out.to(keys.dtype)
+    pairs = k.unflatten(-1, (half, 2)) if interleaved else k.unflatten(-1, (2, half)).transpose(-1, -2)
+    k1, k2 = pairs[..., 0], pairs[..., 1]  # [N, H, half]: each pair's first and second dimension
+    out = torch.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)  # [N, H, half, 2]
+    keys[rows, :, cols, :] = (out if interleaved else out.transpose(-1, -2)).flatten(-2).to(keys.dtype)
     return keys
 
 
@@ -108,15 +113,23 @@ def rope_layers(model) -> list[int]:
     return [i for i, layer in enumerate(layers) if getattr(getattr(layer, "self_attn", None), "use_rope", True)]
 
 
-def rotary_inv_freq(model) -> torch.Tensor:
-    """The fp32 ``inv_freq`` of a HF decoder's rotary embedding (``decoder_of(model).rotary_emb``),
-    once the model is known to rotate its keys as the kernels move them.
+class RopeSpec(NamedTuple):
+    """How a model rotates its cached keys, as the kernels take it."""
+
+    inv_freq: torch.Tensor  # fp32 [head_dim // 2]
+    interleaved: bool  # pairs (2i, 2i + 1) (Cohere, Helium), else (i, i + head_dim/2)
+    layers: list[int]  # the decoder layers whose keys carry a rotation (``rope_layers``)
+
+
+def rope_of(model) -> RopeSpec:
+    """How a HF decoder's rotary embedding (``decoder_of(model).rotary_emb``) rotates its keys, once
+    it is known to be a rotation the kernels can move.
 
     Re-rotation applies the pure rotation: a rope type whose ``attention_scaling`` is not 1 (YaRN)
     scales keys once when they are computed, which a later rotation must not repeat. Refused: rope
     types whose frequencies change with the sequence length ("dynamic", "longrope"), a rotary
-    embedding that covers part of the head, and one that pairs other dimensions than ``(i, i + d/2)``
-    (Cohere's and Helium's ``(2i, 2i + 1)``: ``_check_layout``).
+    embedding that covers part of the head, and one that pairs dimensions in neither layout
+    (``_layout``).
     """
     decoder = decoder_of(model)
     rotary = getattr(decoder, "rotary_emb", None)
@@ -132,14 +145,19 @@ def rotary_inv_freq(model) -> torch.Tensor:
     if head_dim is not None and 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"the rotary embedding covers {2 * inv_freq.numel()} of head_dim {head_dim} "
                          "(partial rotary): KV re-rotation rotates whole heads")
-    _check_layout(decoder, rotary, inv_freq)
-    return inv_freq
+    return RopeSpec(inv_freq, _layout(decoder, rotary, inv_freq), rope_layers(model))
 
 
-def _check_layout(decoder, rotary, inv_freq: torch.Tensor, p: int = 3, s: int = 57) -> None:
-    """Refuse a model whose keys a shift would not move: one key through the model's own rotary code
-    (``apply_rotary_pos_emb`` of its modeling module) at positions ``p`` and ``p + s`` must equal the
-    first shifted by ``s`` here."""
+def rotary_inv_freq(model) -> torch.Tensor:
+    """``rope_of(model).inv_freq``: the model's fp32 ``inv_freq``, once its keys are known to be movable."""
+    return rope_of(model).inv_freq
+
+
+def _layout(decoder, rotary, inv_freq: torch.Tensor, p: int = 3, s: int = 57) -> bool:
+    """Whether the model pairs dimensions ``(2i, 2i + 1)`` (True) or ``(i, i + d/2)`` (False), found
+    by running one key through its own rotary code (``apply_rotary_pos_emb`` of its modeling module)
+    at positions ``p`` and ``p + s``: the first, shifted by ``s`` in that layout here, must equal the
+    second. A model matching neither is refused."""
     module = sys.modules.get(type(decoder).__module__)
     apply = getattr(module, "apply_rotary_pos_emb", None)
     if apply is None:
@@ -154,7 +172,9 @@ def _check_layout(decoder, rotary, inv_freq: torch.Tensor, p: int = 3, s: int = 
         raise ValueError(f"{type(rotary).__name__} could not be probed for its layout ({type(e).__name__}: {e}): "
                          "its keys are not moved") from None
     zero = torch.zeros(1, dtype=torch.long, device=inv_freq.device)  # row 0, column 0: the key at p
-    moved = rope_shift_ref_(rotated[:, :, :1].float().clone(), zero, zero, zero.float() + s, inv_freq)
-    if not torch.allclose(moved, rotated[:, :, 1:].float(), atol=1e-3, rtol=1e-3):
-        raise ValueError(f"{type(decoder).__name__} rotates other pairs of key dimensions than (i, i + head_dim/2), "
-                         "the layout KV re-rotation moves: its keys are not moved")
+    for interleaved in (False, True):
+        moved = rope_shift_ref_(rotated[:, :, :1].float().clone(), zero, zero, zero.float() + s, inv_freq, interleaved)
+        if torch.allclose(moved, rotated[:, :, 1:].float(), atol=1e-3, rtol=1e-3):
+            return interleaved
+    raise ValueError(f"{type(decoder).__name__} rotates other pairs of key dimensions than (i, i + head_dim/2) or "
+                     "(2i, 2i + 1), the layouts KV re-rotation moves: its keys are not moved")

@@ -21,8 +21,9 @@ from . import to_device
 
 @triton.jit
 def _rope_shift_kernel(table_ptr, k_ptr, rows_ptr, cols_ptr, shift_ptr, freq_ptr,
-                       stride_b, stride_h, stride_c, stride_d,
+                       stride_b, stride_h, stride_c, step, pair,
                        HALF: tl.constexpr, BLOCK: tl.constexpr):
+    # Pair i is (base + i * step, base + i * step + pair): (i, i + HALF) or, interleaved, (2i, 2i + 1).
     n = tl.program_id(0)
     h = tl.program_id(1)
     keys = tl.load(table_ptr + tl.program_id(2)).to(k_ptr.dtype)  # this layer's keys (k_ptr: the type)
@@ -32,17 +33,18 @@ def _rope_shift_kernel(table_ptr, k_ptr, rows_ptr, cols_ptr, shift_ptr, freq_ptr
     i = tl.arange(0, BLOCK)
     ok = i < HALF
     base = keys + row * stride_b + h * stride_h + col * stride_c
-    k1 = tl.load(base + i * stride_d, mask=ok, other=0.0)
-    k2 = tl.load(base + (i + HALF) * stride_d, mask=ok, other=0.0)
+    k1 = tl.load(base + i * step, mask=ok, other=0.0)
+    k2 = tl.load(base + i * step + pair, mask=ok, other=0.0)
     angle = shift * tl.load(freq_ptr + i, mask=ok, other=0.0)
     c, s = tl.cos(angle), tl.sin(angle)
     a, b = k1.to(tl.float32), k2.to(tl.float32)
-    tl.store(base + i * stride_d, (a * c - b * s).to(k1.dtype), mask=ok)
-    tl.store(base + (i + HALF) * stride_d, (b * c + a * s).to(k1.dtype), mask=ok)
+    tl.store(base + i * step, (a * c - b * s).to(k1.dtype), mask=ok)
+    tl.store(base + i * step + pair, (b * c + a * s).to(k1.dtype), mask=ok)
 
 
 def rope_shift_layers_triton_(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor,
-                              shift: torch.Tensor, inv_freq: torch.Tensor) -> list[torch.Tensor]:
+                              shift: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = False
+                              ) -> list[torch.Tensor]:
     """``rope.rope_shift_ref_`` on every layer's keys (checked by the caller,
     ``kernels.rope_shift_layers_``): one launch per set of layers with the same strides (one,
     for a cache whose layers are laid out alike)."""
@@ -59,15 +61,17 @@ def rope_shift_layers_triton_(layers: list[torch.Tensor], rows: torch.Tensor, co
         by_stride.setdefault(keys.stride(), []).append(keys)
     # Triton launches on the current device's stream: make that the keys' device, as the native op does.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        for strides, group in by_stride.items():
+        for (stride_b, stride_h, stride_c, stride_d), group in by_stride.items():
+            step, pair = (2 * stride_d, stride_d) if interleaved else (stride_d, half * stride_d)
             table = to_device(torch.tensor([k.data_ptr() for k in group], dtype=torch.int64), dev)
             _rope_shift_kernel[(n, first.shape[1], len(group))](
-                table, group[0], *args, *strides, HALF=half, BLOCK=triton.next_power_of_2(half))
+                table, group[0], *args, stride_b, stride_h, stride_c, step, pair,
+                HALF=half, BLOCK=triton.next_power_of_2(half))
     torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers
 
 
 def rope_shift_triton_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
-                       inv_freq: torch.Tensor) -> torch.Tensor:
+                       inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """``rope_shift_layers_triton_`` on one tensor of keys."""
-    return rope_shift_layers_triton_([keys], rows, cols, shift, inv_freq)[0]
+    return rope_shift_layers_triton_([keys], rows, cols, shift, inv_freq, interleaved)[0]

@@ -99,6 +99,11 @@ void check_rope_shift_indices_on_host(const at::Tensor& keys, const at::Tensor& 
   }
 }
 
+std::pair<int64_t, int64_t> pair_strides(const at::Tensor& keys, bool interleaved) {
+  const int64_t s3 = keys.stride(3);
+  return interleaved ? std::make_pair(2 * s3, s3) : std::make_pair(s3, keys.size(3) / 2 * s3);
+}
+
 std::pair<at::Tensor, at::Tensor> rope_shift_cos_sin(const at::Tensor& shift, const at::Tensor& inv_freq) {
   const at::Tensor angle = shift.to(at::kFloat).unsqueeze(1) * inv_freq.to(at::kFloat).reshape({1, -1});
   return {angle.cos().contiguous(), angle.sin().contiguous()};
@@ -106,19 +111,21 @@ std::pair<at::Tensor, at::Tensor> rope_shift_cos_sin(const at::Tensor& shift, co
 
 namespace {
 
+// Pair i of a key at x1: (x1[i * step], x1[i * step + pair]).
 template <typename scalar_t>
-inline void rotate_pairs(scalar_t* x1, int64_t stride, const float* cos_a, const float* sin_a, int64_t half) {
-  scalar_t* x2 = x1 + half * stride;
+inline void rotate_pairs(scalar_t* x1, int64_t step, int64_t pair, const float* cos_a, const float* sin_a,
+                         int64_t half) {
+  scalar_t* x2 = x1 + pair;
   for (int64_t i = 0; i < half; ++i) {
-    const float a = static_cast<float>(x1[i * stride]);
-    const float b = static_cast<float>(x2[i * stride]);
-    x1[i * stride] = static_cast<scalar_t>(a * cos_a[i] - b * sin_a[i]);
-    x2[i * stride] = static_cast<scalar_t>(b * cos_a[i] + a * sin_a[i]);
+    const float a = static_cast<float>(x1[i * step]);
+    const float b = static_cast<float>(x2[i * step]);
+    x1[i * step] = static_cast<scalar_t>(a * cos_a[i] - b * sin_a[i]);
+    x2[i * step] = static_cast<scalar_t>(b * cos_a[i] + a * sin_a[i]);
   }
 }
 
 void rope_shift_layers_cpu(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
-                           const at::Tensor& shift, const at::Tensor& inv_freq) {
+                           const at::Tensor& shift, const at::Tensor& inv_freq, bool interleaved) {
   check_rope_shift_args(layers, rows, cols, shift, inv_freq);
   if (layers.empty()) {
     return;
@@ -142,22 +149,23 @@ void rope_shift_layers_cpu(at::TensorList layers, const at::Tensor& rows, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, layers[0].scalar_type(), "rope_shift_cpu", [&] {
     struct Layer {
       scalar_t* base;
-      int64_t s0, s1, s2, s3;
+      int64_t s0, s1, s2, step, pair;
     };
     std::vector<Layer> ptrs;
     for (const at::Tensor& keys : layers) {
-      ptrs.push_back({keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3)});
+      const auto [step, pair] = pair_strides(keys, interleaved);
+      ptrs.push_back({keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1), keys.stride(2), step, pair});
     }
     at::parallel_for(0, per_layer * static_cast<int64_t>(ptrs.size()), grain, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const Layer& layer = ptrs[task / per_layer];
         const int64_t n = (task % per_layer) / heads, h = task % heads;
         scalar_t* x1 = layer.base + row[n] * layer.s0 + h * layer.s1 + col[n] * layer.s2;
-        // A literal unit stride lets the compiler vectorise the common dense layout.
-        if (layer.s3 == 1) {
-          rotate_pairs(x1, 1, cos_p + n * half, sin_p + n * half, half);
+        // A literal unit step lets the compiler vectorise the common dense layout.
+        if (layer.step == 1) {
+          rotate_pairs(x1, 1, layer.pair, cos_p + n * half, sin_p + n * half, half);
         } else {
-          rotate_pairs(x1, layer.s3, cos_p + n * half, sin_p + n * half, half);
+          rotate_pairs(x1, layer.step, layer.pair, cos_p + n * half, sin_p + n * half, half);
         }
       }
     });
@@ -167,7 +175,8 @@ void rope_shift_layers_cpu(at::TensorList layers, const at::Tensor& rows, const 
 }  // namespace
 
 TORCH_LIBRARY(rig_decode, m) {
-  m.def("rope_shift_layers_(Tensor(a!)[] layers, Tensor rows, Tensor cols, Tensor shift, Tensor inv_freq) -> ()");
+  m.def("rope_shift_layers_(Tensor(a!)[] layers, Tensor rows, Tensor cols, Tensor shift, Tensor inv_freq, "
+        "bool interleaved=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rig_decode, CPU, m) {

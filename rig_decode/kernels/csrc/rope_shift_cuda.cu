@@ -30,22 +30,22 @@ template <typename scalar_t>
 __global__ void rope_shift_kernel(scalar_t* __restrict__ keys, const int64_t* __restrict__ rows,
                                   const int64_t* __restrict__ cols, const float* __restrict__ cos_t,
                                   const float* __restrict__ sin_t, int64_t heads, int64_t half, int64_t s0, int64_t s1,
-                                  int64_t s2, int64_t s3) {
+                                  int64_t s2, int64_t step, int64_t pair) {
   const int64_t n = blockIdx.x / heads, h = blockIdx.x % heads;
   scalar_t* x1 = keys + rows[n] * s0 + h * s1 + cols[n] * s2;
-  scalar_t* x2 = x1 + half * s3;
+  scalar_t* x2 = x1 + pair;  // pair i: (x1[i * step], x2[i * step])
   const float* cos_a = cos_t + n * half;
   const float* sin_a = sin_t + n * half;
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
-    const float a = static_cast<float>(x1[i * s3]);
-    const float b = static_cast<float>(x2[i * s3]);
-    x1[i * s3] = static_cast<scalar_t>(a * cos_a[i] - b * sin_a[i]);
-    x2[i * s3] = static_cast<scalar_t>(b * cos_a[i] + a * sin_a[i]);
+    const float a = static_cast<float>(x1[i * step]);
+    const float b = static_cast<float>(x2[i * step]);
+    x1[i * step] = static_cast<scalar_t>(a * cos_a[i] - b * sin_a[i]);
+    x2[i * step] = static_cast<scalar_t>(b * cos_a[i] + a * sin_a[i]);
   }
 }
 
 void rope_shift_layers_cuda(at::TensorList layers, const at::Tensor& rows, const at::Tensor& cols,
-                            const at::Tensor& shift, const at::Tensor& inv_freq) {
+                            const at::Tensor& shift, const at::Tensor& inv_freq, bool interleaved) {
   check_rope_shift_args(layers, rows, cols, shift, inv_freq);
   if (layers.empty()) {
     return;
@@ -81,9 +81,10 @@ void rope_shift_layers_cuda(at::TensorList layers, const at::Tensor& rows, const
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, first.scalar_type(), "rope_shift_cuda", [&] {
     for (const at::Tensor& keys : layers) {
+      const auto [step, pair] = pair_strides(keys, interleaved);
       rope_shift_kernel<scalar_t><<<static_cast<unsigned int>(n_pos * heads), threads, 0, stream>>>(
           keys.data_ptr<scalar_t>(), rows_d.data_ptr<int64_t>(), cols_d.data_ptr<int64_t>(), cos_p, sin_p, heads, half,
-          keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3));
+          keys.stride(0), keys.stride(1), keys.stride(2), step, pair);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
