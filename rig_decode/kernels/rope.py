@@ -45,10 +45,10 @@ def _rotate_(keys, rows, cols, shift, inv_freq, interleaved: bool = False) -> to
     angle = shift.to(keys.device, torch.float32)[:, None] * inv_freq.to(keys.device, torch.float32)[None, :]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # [N, 1, half]: broadcast over heads
     k = keys[rows, :, cols, :].to(torch.float32)  # [N, H, D] (advanced indexing copies)
-    pairs = k.unflatten(-1, (half, 2)) if interleaved else k.unflatten(-1, (2, half)).transpose(-1, -2)
-    k1, k2 = pairs[..., 0], pairs[..., 1]  # [N, H, half]: each pair's first and second dimension
-    out = torch.stack([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)  # [N, H, half, 2]
-    keys[rows, :, cols, :] = (out if interleaved else out.transpose(-1, -2)).flatten(-2).to(keys.dtype)
+    k1, k2 = (k[..., 0::2], k[..., 1::2]) if interleaved else (k[..., :half], k[..., half:])  # [N, H, half]
+    a, b = k1 * cos - k2 * sin, k2 * cos + k1 * sin
+    out = torch.stack([a, b], dim=-1).flatten(-2) if interleaved else torch.cat([a, b], dim=-1)
+    keys[rows, :, cols, :] = out.to(keys.dtype)
     return keys
 
 
