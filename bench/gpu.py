@@ -59,6 +59,7 @@ import resource
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -531,9 +532,13 @@ class Stopped(BaseException):
     """SIGTERM arrived: a BaseException, so no section's error handling takes it for its own failure."""
 
 
+SIGTERM_SEEN = threading.Event()  # also set: an exception raised in a finalizer is printed and dropped
+
+
 def stop_on_sigterm():
     """Raise ``Stopped`` on SIGTERM from now on; returns the handler it replaced."""
     def stop(signum, frame):
+        SIGTERM_SEEN.set()
         raise Stopped()
 
     return signal.signal(signal.SIGTERM, stop)
@@ -554,12 +559,14 @@ def run_sections(bench: Bench) -> None:
         t0 = time.perf_counter()
         try:
             run_section(bench, name, fn, needs_model)
+            if SIGTERM_SEEN.is_set():  # its Stopped was dropped (raised in a finalizer)
+                raise Stopped()
+            now = time.perf_counter()
+            log(f"{name}: {now - t0:.1f} s (total {now - t_start:.1f} s)")
         except Stopped:
             left = ", ".join(n for n, _, _ in sections[done:])
             bench.report.failed("stopped", f"SIGTERM {time.perf_counter() - t_start:.0f} s in; not finished: {left}")
             raise
-        now = time.perf_counter()
-        log(f"{name}: {now - t0:.1f} s (total {now - t_start:.1f} s)")
 
 
 def run_section(bench: Bench, name: str, fn, needs_model: bool) -> None:

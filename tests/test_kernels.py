@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # Triton runs on CPU tensors only in its inte
 
 from rig_decode import kernels  # noqa: E402
 from rig_decode.engine.runner_hf import HFModelRunner  # noqa: E402
-from rig_decode.kernels.rope import rope_layers, rope_shift_ref_, rotary_inv_freq  # noqa: E402
+from rig_decode.kernels.rope import rope_shift_ref_, rotary_inv_freq  # noqa: E402
 
 from .helpers import neighbour_paired_model, one_layer_model, smollm3_one_layer, tiny_model  # noqa: E402
 
@@ -137,18 +137,15 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
-def test_a_rope_whose_layout_cannot_be_probed_is_refused(monkeypatch):
-    import transformers.models.llama.modeling_llama as llama
-
+def test_a_model_that_cannot_be_probed_is_refused(monkeypatch):
     model = tiny_model(64)
-    monkeypatch.delattr(llama, "apply_rotary_pos_emb")
-    with pytest.raises(ValueError, match="has no apply_rotary_pos_emb"):
+    monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, position_ids: 1 / 0)
+    with pytest.raises(ValueError, match="could not be probed for how it rotates its keys"):
         rotary_inv_freq(model)
     monkeypatch.undo()
-    monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, position_ids: 1 / 0)
-    with pytest.raises(ValueError, match="could not be probed for its layout"):
+    del model.model.rotary_emb
+    with pytest.raises(ValueError, match="has no rotary embedding"):
         rotary_inv_freq(model)
-
 
 
 @pytest.mark.parametrize("arch", ["cohere", "helium"])
@@ -267,7 +264,7 @@ def test_eviction_leaves_the_keys_of_a_layer_without_rope_as_they_are(rope):
     """SmolLM3 runs some layers without RoPE (NoPE): their keys carry no position, so eviction moves
     them unrotated, and decoding afterwards matches a fresh prefill of the kept tokens either way."""
     model = smollm3_one_layer(600, rope=rope, seed=1)
-    assert rope_layers(model) == ([0] if rope else [])
+    assert kernels.rope_of(model).layers == ([0] if rope else [])
     ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(8)).tolist()
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([ids])
@@ -275,14 +272,33 @@ def test_eviction_leaves_the_keys_of_a_layer_without_rope_as_they_are(rope):
     torch.testing.assert_close(runner.step([[5]])[0], _logits(model, ids[:4] + ids[12:] + [5]), atol=2e-4, rtol=2e-4)
 
 
-def test_rope_layers_skips_the_layers_a_model_runs_without_rope():
+def test_the_layers_a_model_runs_without_rope_are_found_by_running_it():
+    """SmolLM3 marks its NoPE layers (by default every fourth); Cohere2 skips RoPE in its global
+    (full-attention) layers without a flag. Either way the probe finds them, and an all-global
+    Cohere2 evicts exactly (its keys move unrotated)."""
     import transformers
 
     config = transformers.SmolLM3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                        bos_token_id=1, eos_token_id=2)  # by default, NoPE every 4th layer
-    assert rope_layers(transformers.SmolLM3ForCausalLM(config)) == [0, 1, 2, 4, 5, 6]
-    assert rope_layers(tiny_model(100, layers=3)) == [0, 1, 2]
+                                        bos_token_id=1, eos_token_id=2)
+    assert kernels.rope_of(transformers.SmolLM3ForCausalLM(config)).layers == [0, 1, 2, 4, 5, 6]
+    assert kernels.rope_of(tiny_model(100, layers=3)).layers == [0, 1, 2]
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = transformers.Cohere2Config(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=kinds,
+                                        sliding_window=4096, logit_scale=1.0, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2)
+    torch.manual_seed(0)
+    rope = kernels.rope_of(transformers.Cohere2ForCausalLM(config).eval())
+    assert rope.layers == [0, 2] and rope.interleaved
+    config.num_hidden_layers, config.layer_types = 1, ["full_attention"]
+    model = transformers.Cohere2ForCausalLM(config).eval()
+    assert kernels.rope_of(model).layers == []
+    ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([ids])
+    runner.evict(0, 4, 12)
+    torch.testing.assert_close(runner.step([[5]])[0], _logits(model, ids[:4] + ids[12:] + [5]), atol=2e-4, rtol=2e-4)
 
 
 def _prefilled(seed: int, n: int):

@@ -250,6 +250,20 @@ def test_rig_native_0_disables_it(monkeypatch):
         assert native.available(reload=True), native.load_error()
 
 
+def test_a_build_of_an_older_schema_is_not_used(monkeypatch):
+    """A library built before the op took ``interleaved`` would fail every call: it is reported
+    stale, and the torch reference is used."""
+    monkeypatch.delenv("RIG_KERNELS", raising=False)
+    monkeypatch.setattr(native, "_argument_names", lambda: ["layers", "rows", "cols", "shift", "inv_freq"])
+    try:
+        assert not native.available(reload=True)
+        assert "stale build" in native.load_error() and "build_native.sh" in native.load_error()
+        assert kernels.backend_for(torch.device("cpu")) == "torch"
+    finally:
+        monkeypatch.undo()
+        assert native.available(reload=True), native.load_error()
+
+
 def test_a_forced_backend_that_cannot_serve_the_device_says_so(monkeypatch):
     monkeypatch.setenv("RIG_KERNELS", "native")
     if not native.supports("cuda"):

@@ -20,9 +20,9 @@ import os
 import torch
 
 from . import native
-from .rope import RopeSpec, _check, _check_layers, _rotate_, rope_layers, rope_of, rope_shift_ref_, rotary_inv_freq
+from .rope import RopeSpec, _check, _check_layers, _rotate_, rope_of, rope_shift_ref_, rotary_inv_freq
 
-__all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_layers", "rope_of", "rotary_inv_freq",
+__all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_of", "rotary_inv_freq",
            "backend_for", "has_triton", "to_device"]
 
 

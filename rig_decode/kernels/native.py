@@ -48,18 +48,23 @@ def _has_kernel(dispatch_key: str) -> bool:
 def _load() -> tuple[bool, str]:
     if os.environ.get("RIG_NATIVE", "1") == "0":
         return False, "disabled by RIG_NATIVE=0"
-    if _has_kernel("CPU"):  # loaded earlier in this process (a library cannot be loaded twice)
-        return True, ""
     path = _library_path()
-    if path is None:
-        return False, f"not built: no _C*.so in {_PACKAGE_DIR} (run scripts/build_native.sh)"
-    try:
-        torch.ops.load_library(str(path))
-    except Exception as exc:  # noqa: BLE001 - any failure to load means "not available", with its reason
-        return False, f"failed to load {path}: {type(exc).__name__}: {exc}"
-    if not _has_kernel("CPU"):
-        return False, f"{path} does not register {_OP} (stale build? run scripts/build_native.sh)"
+    if not _has_kernel("CPU"):  # else loaded earlier in this process (a library cannot be loaded twice)
+        if path is None:
+            return False, f"not built: no _C*.so in {_PACKAGE_DIR} (run scripts/build_native.sh)"
+        try:
+            torch.ops.load_library(str(path))
+        except Exception as exc:  # noqa: BLE001 - any failure to load means "not available", with its reason
+            return False, f"failed to load {path}: {type(exc).__name__}: {exc}"
+        if not _has_kernel("CPU"):
+            return False, f"{path} does not register {_OP} (stale build? run scripts/build_native.sh)"
+    if "interleaved" not in _argument_names():
+        return False, f"{path} is a stale build: its {_OP} takes no interleaved argument (run scripts/build_native.sh)"
     return True, ""
+
+
+def _argument_names() -> list[str]:
+    return [a.name for a in torch.ops.rig_decode.rope_shift_layers_.default._schema.arguments]
 
 
 def available(reload: bool = False) -> bool:

@@ -18,7 +18,6 @@ keys (frequencies, layout, which layers), once it has checked that the kernels c
 
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 import torch
@@ -102,34 +101,23 @@ def decoder_of(model):
     return get() if callable(get) else getattr(model, "model", model)
 
 
-def rope_layers(model) -> list[int]:
-    """The decoder layers whose keys carry their position: every layer but those whose attention
-    skips RoPE (``self_attn.use_rope`` false: the NoPE layers of SmolLM3, Llama 4, Mistral Large 4).
-    A NoPE layer's cached keys hold no position, so they move to other columns as they are."""
-    layers = getattr(decoder_of(model), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers): which of its "
-                         "keys carry a rotation cannot be told, so its keys are not moved")
-    return [i for i, layer in enumerate(layers) if getattr(getattr(layer, "self_attn", None), "use_rope", True)]
-
-
 class RopeSpec(NamedTuple):
     """How a model rotates its cached keys, as the kernels take it."""
 
     inv_freq: torch.Tensor  # fp32 [head_dim // 2]
     interleaved: bool  # pairs (2i, 2i + 1) (Cohere, Helium), else (i, i + head_dim/2)
-    layers: list[int]  # the decoder layers whose keys carry a rotation (``rope_layers``)
+    layers: list[int]  # the decoder layers whose keys carry a rotation (the others: NoPE)
 
 
 def rope_of(model) -> RopeSpec:
-    """How a HF decoder's rotary embedding (``decoder_of(model).rotary_emb``) rotates its keys, once
-    it is known to be a rotation the kernels can move.
+    """How a HF decoder rotates its cached keys, once it is known to be a rotation the kernels can
+    move: the frequencies of its rotary embedding (``decoder_of(model).rotary_emb``), and, found by
+    running the model (``_probe``), the pair layout and the layers that rotate at all.
 
     Re-rotation applies the pure rotation: a rope type whose ``attention_scaling`` is not 1 (YaRN)
     scales keys once when they are computed, which a later rotation must not repeat. Refused: rope
     types whose frequencies change with the sequence length ("dynamic", "longrope"), a rotary
-    embedding that covers part of the head, and one that pairs dimensions in neither layout
-    (``_layout``).
+    embedding that covers part of the head, and keys that a shift in neither layout moves.
     """
     decoder = decoder_of(model)
     rotary = getattr(decoder, "rotary_emb", None)
@@ -145,7 +133,7 @@ def rope_of(model) -> RopeSpec:
     if head_dim is not None and 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"the rotary embedding covers {2 * inv_freq.numel()} of head_dim {head_dim} "
                          "(partial rotary): KV re-rotation rotates whole heads")
-    return RopeSpec(inv_freq, _layout(decoder, rotary, inv_freq), rope_layers(model))
+    return _probe(model, inv_freq)
 
 
 def rotary_inv_freq(model) -> torch.Tensor:
@@ -153,28 +141,52 @@ def rotary_inv_freq(model) -> torch.Tensor:
     return rope_of(model).inv_freq
 
 
-def _layout(decoder, rotary, inv_freq: torch.Tensor, p: int = 3, s: int = 57) -> bool:
-    """Whether the model pairs dimensions ``(2i, 2i + 1)`` (True) or ``(i, i + d/2)`` (False), found
-    by running one key through its own rotary code (``apply_rotary_pos_emb`` of its modeling module)
-    at positions ``p`` and ``p + s``: the first, shifted by ``s`` in that layout here, must equal the
-    second. A model matching neither is refused."""
-    module = sys.modules.get(type(decoder).__module__)
-    apply = getattr(module, "apply_rotary_pos_emb", None)
-    if apply is None:
-        raise ValueError(f"{type(decoder).__module__} has no apply_rotary_pos_emb: the layout of "
-                         f"{type(decoder).__name__}'s rotary embedding cannot be checked, so its keys are not moved")
-    d = 2 * inv_freq.numel()
-    key = torch.randn(1, 1, 1, d, generator=torch.Generator().manual_seed(0)).to(inv_freq.device).expand(1, 1, 2, d)
-    try:
-        cos, sin = rotary(key, torch.tensor([[p, p + s]], device=inv_freq.device))
-        rotated, _ = apply(key, key, cos, sin)
-    except Exception as e:  # a rotary embedding of another signature (e.g. multimodal positions)
-        raise ValueError(f"{type(rotary).__name__} could not be probed for its layout ({type(e).__name__}: {e}): "
-                         "its keys are not moved") from None
-    zero = torch.zeros(1, dtype=torch.long, device=inv_freq.device)  # row 0, column 0: the key at p
+def _probe(model, inv_freq: torch.Tensor, p: int = 3, s: int = 997) -> RopeSpec:
+    """Run one token through the model at positions ``p`` and ``p + s``. Alone, a token attends to
+    itself only, so every layer's hidden state is the same at both positions and only a rotation
+    can tell its two keys apart: a layer whose keys are equal carries no position (NoPE: SmolLM3's
+    every fourth layer, Cohere2's global ones), and every other layer's key at ``p``, shifted by
+    ``s`` here, must equal its key at ``p + s`` in one pair layout for all of them."""
+    (before, dtype), (after, _) = (_cached_keys(model, position) for position in (p, p + s))
+    if [k.shape for k in before] != [k.shape for k in after]:
+        raise ValueError(f"{type(model).__name__} caches keys of other shapes at other positions: its keys are not moved")
+    if before and before[0].shape[-1] != 2 * inv_freq.numel():
+        raise ValueError(f"{type(model).__name__} caches keys of {before[0].shape[-1]} dimensions; its rotary "
+                         f"embedding rotates {2 * inv_freq.numel()}: its keys are not moved")
+    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2  # 16-bit keys are rounded once more
+
+    def near(a: torch.Tensor, b: torch.Tensor) -> bool:  # relative to the key's size, over all its heads
+        return float((a - b).norm()) <= tol * float(b.norm())
+
+    def shifted(k: torch.Tensor, interleaved: bool) -> torch.Tensor:  # [heads, head_dim], moved by s
+        zero = torch.zeros(1, dtype=torch.long)
+        return _rotate_(k[None, :, None].clone(), zero, zero, zero.float() + s, inv_freq.cpu(), interleaved)[0, :, 0]
+
+    layers = [i for i, (a, b) in enumerate(zip(before, after)) if not near(a, b)]
     for interleaved in (False, True):
-        moved = rope_shift_ref_(rotated[:, :, :1].float().clone(), zero, zero, zero.float() + s, inv_freq, interleaved)
-        if torch.allclose(moved, rotated[:, :, 1:].float(), atol=1e-3, rtol=1e-3):
-            return interleaved
-    raise ValueError(f"{type(decoder).__name__} rotates other pairs of key dimensions than (i, i + head_dim/2) or "
+        if all(near(shifted(before[i], interleaved), after[i]) for i in layers):
+            return RopeSpec(inv_freq, interleaved, layers)
+    raise ValueError(f"{type(model).__name__} rotates other pairs of key dimensions than (i, i + head_dim/2) or "
                      "(2i, 2i + 1), the layouts KV re-rotation moves: its keys are not moved")
+
+
+def _cached_keys(model, position: int) -> tuple[list[torch.Tensor], torch.dtype | None]:
+    """Each layer's cached key (fp32 ``[heads, head_dim]`` on the host) of one token fed alone at
+    ``position``, and the cache's dtype."""
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()  # no dropout: the probe compares two forwards
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
+                        position_ids=torch.tensor([[position]], device=device), use_cache=True)
+    except Exception as e:  # another signature (e.g. multimodal positions), another cache
+        raise ValueError(f"{type(model).__name__} could not be probed for how it rotates its keys "
+                         f"({type(e).__name__}: {e}): its keys are not moved") from None
+    finally:
+        model.train(training)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "layers"):
+        raise ValueError(f"{type(model).__name__} returned no layered KV cache to probe: its keys are not moved")
+    keys = [layer.keys[0, :, -1] for layer in cache.layers]
+    return [k.float().cpu() for k in keys], keys[0].dtype if keys else None
