@@ -173,20 +173,20 @@ def _probe(model, inv_freq: torch.Tensor, p: int = 3, s: int = 997) -> RopeSpec:
 def _cached_keys(model, position: int) -> tuple[list[torch.Tensor], torch.dtype | None]:
     """Each layer's cached key (fp32 ``[heads, head_dim]`` on the host) of one token fed alone at
     ``position``, and the cache's dtype."""
+    from transformers import DynamicCache  # only where a HF model is probed: the kernels need no transformers
+
     device = next(model.parameters()).device
     training = model.training
     model.eval()  # no dropout: the probe compares two forwards
     try:
+        cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
-                        position_ids=torch.tensor([[position]], device=device), use_cache=True)
+            model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
+                  position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     except Exception as e:  # another signature (e.g. multimodal positions), another cache
         raise ValueError(f"{type(model).__name__} could not be probed for how it rotates its keys "
                          f"({type(e).__name__}: {e}): its keys are not moved") from None
     finally:
         model.train(training)
-    cache = getattr(out, "past_key_values", None)
-    if cache is None or not hasattr(cache, "layers"):
-        raise ValueError(f"{type(model).__name__} returned no layered KV cache to probe: its keys are not moved")
     keys = [layer.keys[0, :, -1] for layer in cache.layers]
     return [k.float().cpu() for k in keys], keys[0].dtype if keys else None
