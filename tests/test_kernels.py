@@ -137,6 +137,18 @@ def test_bad_arguments_are_named():
         rotary_inv_freq(model)
 
 
+def test_a_model_is_probed_once():
+    """The probe's two forwards run on the first call only: a runner per request costs none."""
+    model, calls = tiny_model(64), []
+    model.register_forward_hook(lambda module, args, out: calls.append(1))
+    first = kernels.rope_of(model)
+    assert kernels.rope_of(model) is first and len(calls) == 2
+    runner = HFModelRunner(model, pad_id=0)
+    runner.prefill([list(range(3, 23))])
+    runner.evict(0, 2, 5)
+    assert len(calls) == 3  # the prefill's forward only
+
+
 def test_a_model_that_cannot_be_probed_is_refused(monkeypatch):
     model = tiny_model(64)
     monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, position_ids: 1 / 0)

@@ -18,6 +18,7 @@ keys (frequencies, layout, which layers), once it has checked that the kernels c
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -109,16 +110,26 @@ class RopeSpec(NamedTuple):
     layers: list[int]  # the decoder layers whose keys carry a rotation (the others: NoPE)
 
 
+_specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RopeSpec, once probed
+
+
 def rope_of(model) -> RopeSpec:
     """How a HF decoder rotates its cached keys, once it is known to be a rotation the kernels can
     move: the frequencies of its rotary embedding (``decoder_of(model).rotary_emb``), and, found by
-    running the model (``_probe``), the pair layout and the layers that rotate at all.
+    running the model (``_probe``, once per model), the pair layout and the layers that rotate at all.
 
     Re-rotation applies the pure rotation: a rope type whose ``attention_scaling`` is not 1 (YaRN)
     scales keys once when they are computed, which a later rotation must not repeat. Refused: rope
     types whose frequencies change with the sequence length ("dynamic", "longrope"), a rotary
     embedding that covers part of the head, and keys that a shift in neither layout moves.
     """
+    spec = _specs.get(model)
+    if spec is None:
+        spec = _specs[model] = _rope_of(model)
+    return spec
+
+
+def _rope_of(model) -> RopeSpec:
     decoder = decoder_of(model)
     rotary = getattr(decoder, "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
