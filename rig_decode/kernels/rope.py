@@ -110,7 +110,7 @@ class RopeSpec(NamedTuple):
     layers: list[int]  # the decoder layers whose keys carry a rotation (the others: NoPE)
 
 
-_specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RopeSpec, once probed
+_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its inv_freq, what _probe found)
 
 
 def rope_of(model) -> RopeSpec:
@@ -123,13 +123,6 @@ def rope_of(model) -> RopeSpec:
     types whose frequencies change with the sequence length ("dynamic", "longrope"), a rotary
     embedding that covers part of the head, and keys that a shift in neither layout moves.
     """
-    spec = _specs.get(model)
-    if spec is None:
-        spec = _specs[model] = _rope_of(model)
-    return spec
-
-
-def _rope_of(model) -> RopeSpec:
     decoder = decoder_of(model)
     rotary = getattr(decoder, "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
@@ -144,7 +137,10 @@ def _rope_of(model) -> RopeSpec:
     if head_dim is not None and 2 * inv_freq.numel() != head_dim:
         raise ValueError(f"the rotary embedding covers {2 * inv_freq.numel()} of head_dim {head_dim} "
                          "(partial rotary): KV re-rotation rotates whole heads")
-    return _probe(model, inv_freq)
+    known = _probed.get(model)
+    if known is None or not torch.equal(known[0], inv_freq):
+        known = _probed[model] = inv_freq, _probe(model, inv_freq)
+    return known[1]
 
 
 def rotary_inv_freq(model) -> torch.Tensor:
