@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # Triton runs on CPU tensors only in its inte
 
 from rig_decode import kernels  # noqa: E402
 from rig_decode.engine.runner_hf import HFModelRunner  # noqa: E402
-from rig_decode.kernels.rope import rope_shift_ref_, rotary_inv_freq  # noqa: E402
+from rig_decode.kernels.rope import rope_of, rope_shift_ref_  # noqa: E402
 
 from .helpers import neighbour_paired_model, one_layer_model, smollm3_one_layer, tiny_model  # noqa: E402
 
@@ -109,7 +109,7 @@ def test_shift_matches_the_models_own_rope(arch):
 
     model = tiny_model(64) if arch == "llama" else neighbour_paired_model(arch, 600)
     apply_rotary_pos_emb = sys.modules[type(model.model).__module__].apply_rotary_pos_emb
-    rope = kernels.rope_of(model)
+    rope = rope_of(model)
     assert rope.interleaved == (arch == "cohere")
     k = torch.randn(1, 2, 6, 16)  # [batch, heads, positions, head_dim]
     pos, moved = torch.tensor([[0, 5, 9, 100, 1000, 2047]]), torch.tensor([[3, 0, 40, 7, 1500, 1]])
@@ -134,15 +134,15 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="rope type"):
         model = tiny_model(64)
         model.model.rotary_emb.rope_type = "dynamic"
-        rotary_inv_freq(model)
+        rope_of(model)
 
 
 def test_a_model_is_probed_once():
     """The probe's two forwards run on the first call only: a runner per request costs none."""
     model, calls = tiny_model(64), []
     model.register_forward_hook(lambda module, args, out: calls.append(1))
-    first = kernels.rope_of(model)
-    assert kernels.rope_of(model) is first and len(calls) == 2
+    first = rope_of(model)
+    assert rope_of(model) is first and len(calls) == 2
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([list(range(3, 23))])
     runner.evict(0, 2, 5)
@@ -153,11 +153,11 @@ def test_a_model_that_cannot_be_probed_is_refused(monkeypatch):
     model = tiny_model(64)
     monkeypatch.setattr(model.model.rotary_emb, "forward", lambda x, position_ids: 1 / 0)
     with pytest.raises(ValueError, match="could not be probed for how it rotates its keys"):
-        rotary_inv_freq(model)
+        rope_of(model)
     monkeypatch.undo()
     del model.model.rotary_emb
     with pytest.raises(ValueError, match="has no rotary embedding"):
-        rotary_inv_freq(model)
+        rope_of(model)
 
 
 @pytest.mark.parametrize("arch", ["cohere", "helium"])
@@ -165,7 +165,7 @@ def test_a_rope_pairing_neighbouring_dimensions_moves_its_keys(arch):
     """Cohere and Helium rotate the pairs (2i, 2i + 1), not (i, i + d/2): their layout is found
     and eviction rotates those pairs, exactly (one layer: the kept tokens' own cache)."""
     model = neighbour_paired_model(arch, 600)
-    assert kernels.rope_of(model).interleaved
+    assert rope_of(model).interleaved
     ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([ids])
@@ -182,7 +182,7 @@ def test_a_rope_pairing_dimensions_in_neither_layout_is_refused(monkeypatch):
     apply = llama.apply_rotary_pos_emb
     monkeypatch.setattr(llama, "apply_rotary_pos_emb", lambda q, k, cos, sin: tuple(t.flip(-1) for t in apply(q, k, cos, sin)))
     with pytest.raises(ValueError, match="other pairs of key dimensions"):
-        kernels.rope_of(model)
+        rope_of(model)
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([list(range(3, 23))])
     keys = runner.cache.layers[0].keys.clone()
@@ -200,7 +200,7 @@ def test_a_peft_wrapped_model_moves_its_keys():
     model = one_layer_model(600)
     wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj"], init_lora_weights=False))
     wrapped.eval()
-    torch.testing.assert_close(rotary_inv_freq(wrapped), rotary_inv_freq(model))
+    torch.testing.assert_close(rope_of(wrapped).inv_freq, rope_of(model).inv_freq)
     ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(6)).tolist()
     runner = HFModelRunner(wrapped, pad_id=0)
     runner.prefill([ids])
@@ -276,7 +276,7 @@ def test_eviction_leaves_the_keys_of_a_layer_without_rope_as_they_are(rope):
     """SmolLM3 runs some layers without RoPE (NoPE): their keys carry no position, so eviction moves
     them unrotated, and decoding afterwards matches a fresh prefill of the kept tokens either way."""
     model = smollm3_one_layer(600, rope=rope, seed=1)
-    assert kernels.rope_of(model).layers == ([0] if rope else [])
+    assert rope_of(model).layers == ([0] if rope else [])
     ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(8)).tolist()
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([ids])
@@ -293,19 +293,19 @@ def test_the_layers_a_model_runs_without_rope_are_found_by_running_it():
     config = transformers.SmolLM3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
                                         bos_token_id=1, eos_token_id=2)
-    assert kernels.rope_of(transformers.SmolLM3ForCausalLM(config)).layers == [0, 1, 2, 4, 5, 6]
-    assert kernels.rope_of(tiny_model(100, layers=3)).layers == [0, 1, 2]
+    assert rope_of(transformers.SmolLM3ForCausalLM(config)).layers == [0, 1, 2, 4, 5, 6]
+    assert rope_of(tiny_model(100, layers=3)).layers == [0, 1, 2]
     kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     config = transformers.Cohere2Config(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=kinds,
                                         sliding_window=4096, logit_scale=1.0, pad_token_id=0, bos_token_id=1,
                                         eos_token_id=2)
     torch.manual_seed(0)
-    rope = kernels.rope_of(transformers.Cohere2ForCausalLM(config).eval())
+    rope = rope_of(transformers.Cohere2ForCausalLM(config).eval())
     assert rope.layers == [0, 2] and rope.interleaved
     config.num_hidden_layers, config.layer_types = 1, ["full_attention"]
     model = transformers.Cohere2ForCausalLM(config).eval()
-    assert kernels.rope_of(model).layers == []
+    assert rope_of(model).layers == []
     ids = torch.randint(3, 600, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     runner = HFModelRunner(model, pad_id=0)
     runner.prefill([ids])

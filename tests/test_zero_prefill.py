@@ -11,7 +11,7 @@ import torch
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_hf import HFModelRunner
 from rig_decode.evidence import EvidenceFormatter
-from rig_decode.kernels import rope_shift_, rotary_inv_freq
+from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.kernels.chunk_kv import ChunkKVStore
 from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.retrieval.base import Hit
@@ -462,7 +462,7 @@ def test_reselected_tokens_match_the_measured_variant(deep, share):
     ctx_kv = [(layer.keys[:, :, :c].clone(), layer.values[:, :, :c].clone()) for layer in exact.cache.layers]
     want_exact = exact.step([block])[0]
     kv, shift = store.block_kv(block, segments, m)
-    inv = rotary_inv_freq(deep)
+    inv = rope_of(deep).inv_freq
     stored = []
     for k, v in kv:
         k = k.clone()

@@ -20,10 +20,10 @@ import os
 import torch
 
 from . import native
-from .rope import RopeSpec, _check, _check_layers, _rotate_, rope_of, rope_shift_ref_, rotary_inv_freq
+from .rope import RopeSpec, _check, _check_layers, _rotate_, rope_of, rope_shift_ref_
 
-__all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_of", "rotary_inv_freq",
-           "backend_for", "has_triton", "to_device"]
+__all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_of", "backend_for", "has_triton",
+           "to_device"]
 
 
 def has_triton() -> bool:

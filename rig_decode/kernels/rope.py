@@ -143,11 +143,6 @@ def rope_of(model) -> RopeSpec:
     return known[1]
 
 
-def rotary_inv_freq(model) -> torch.Tensor:
-    """``rope_of(model).inv_freq``: the model's fp32 ``inv_freq``, once its keys are known to be movable."""
-    return rope_of(model).inv_freq
-
-
 def _probe(model, inv_freq: torch.Tensor, p: int = 3, s: int = 997) -> RopeSpec:
     """Run one token through the model at positions ``p`` and ``p + s``. Alone, a token attends to
     itself only, so every layer's hidden state is the same at both positions and only a rotation
