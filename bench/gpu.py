@@ -537,6 +537,8 @@ SIGTERM_SEEN = threading.Event()  # also set: an exception raised in a finalizer
 
 def stop_on_sigterm():
     """Raise ``Stopped`` on SIGTERM from now on; returns the handler it replaced."""
+    SIGTERM_SEEN.clear()  # a run started in the same process after a stopped one is not stopped at once
+
     def stop(signum, frame):
         SIGTERM_SEEN.set()
         raise Stopped()
