@@ -227,6 +227,10 @@ class EngineConfig(_Section):
     """KV-cache token slots: ``auto`` (from the memory left after loading the model), a number, or
     null (no limit). Requests beyond it wait in the queue."""
     retrieval_retries: int = Field(1, ge=0, le=10)
+    max_hung_searches: int = Field(4, ge=1)
+    """Searches abandoned past ``retriever.timeout_s`` that may still be running before retrieval
+    is reported degraded (``/health``): then hops get a no-evidence block at once, until one of
+    them returns."""
     sync_retrieval: bool = False
     """Search inside the decode step (the other rows wait); for comparison only."""
     zero_prefill: ZeroPrefillConfig = ZeroPrefillConfig()

@@ -40,6 +40,7 @@ def engine_options(cfg: RigConfig, model=None, **overrides) -> EngineOptions:
         max_batch_size=cfg.engine.max_batch_size,
         kv_budget_tokens=budget,
         retrieval_retries=cfg.engine.retrieval_retries,
+        max_hung_searches=cfg.engine.max_hung_searches,
         sync_retrieval=cfg.engine.sync_retrieval,
         citations=cfg.rig.citations,
         gate=settings_from_config(cfg.rig.gate) if cfg.rig.gate.enabled else None,

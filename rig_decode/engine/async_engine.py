@@ -153,20 +153,16 @@ class AsyncRigEngine:
                     self.on_finish(h.seq)
 
     def _fail_all(self, error: Exception) -> None:
-        with self._lock:
+        """A step failed for the whole batch: every request in it ends with reason ``error``, and
+        the engine starts empty for the requests that come next."""
+        with self._lock:  # no submit slips in between: a request is either failed here or kept
             handles, self._handles = list(self._handles.values()), {}
-            with self.engine._lock:
-                self.engine.waiting.clear()
+            self.engine.abort_all(error)
         for h in handles:
-            if not h.seq.is_finished:
-                h.seq.finish("error")
-                h.seq.trace.marker_errors.append(f"engine error: {type(error).__name__}: {error}")
             for ev in h._events():
                 h._loop.call_soon_threadsafe(h.queue.put_nowait, ev)
             if self.on_finish is not None:
                 self.on_finish(h.seq)
-        self.engine.running.clear()
-        self.engine.runner.reset(0)
 
     def close(self) -> None:
         self._stop = True

@@ -65,6 +65,9 @@ class EngineOptions:
     top_k: int = 3
     retrieval_timeout_s: float = 10.0
     retrieval_retries: int = 1
+    max_hung_searches: int = 4
+    """Abandoned searches (past ``retrieval_timeout_s``) that may still run before retrieval is
+    degraded: then hops get a no-evidence block at once instead of a wait."""
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
@@ -141,14 +144,15 @@ class RigEngine:
         self.runner.reset(0)
         self.processors = [
             *extra_processors,
-            *([GateProcessor(self.vocab, options.gate, options.max_iterations, getattr(retriever, "knows", None))]
+            *([GateProcessor(self.vocab, options.gate, options.max_iterations, _guarded(getattr(retriever, "knows", None)))]
               if options.gate is not None else []),
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
                                self.stop_ids, options.newline_ends_query, options.retrieve_first),
         ]
         if options.citations:  # last: no other processor can re-open a banned citation
             self.processors.append(CitationProcessor(self.vocab))
-        self.worker = RetrievalWorker(retriever, options.top_k, options.retrieval_retries)
+        self.worker = RetrievalWorker(retriever, options.top_k, options.retrieval_retries,
+                                      options.retrieval_timeout_s, options.max_hung_searches)
         self.sync = options.sync_retrieval or options.reprefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # row i of the runner's batch
@@ -191,8 +195,16 @@ class RigEngine:
         return seq
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; it joins the batch at a coming step (thread-safe)."""
+        """Queue a sequence; it joins the batch at a coming step (thread-safe). Its ``seq_id``
+        names it (``cancel``, scripted processors, sampling seeds): no other unfinished sequence of
+        this engine may have it."""
         with self._lock:
+            clash = next((x for x in (*self.waiting, *self.running) if x.seq_id == seq.seq_id and not x.is_finished),
+                         None)
+            if clash is not None:
+                raise ValueError(f"seq_id {seq.seq_id} is already in this engine" +
+                                 (" (the same sequence twice)" if clash is seq else "") +
+                                 ": give every sequence its own id")
             seq.arrival = time.perf_counter()
             if self.opts.deadline_s is not None:
                 seq.deadline_at = seq.arrival + self.opts.deadline_s
@@ -213,12 +225,36 @@ class RigEngine:
         return bool(self.waiting or self.running)
 
     def generate(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Run these sequences to completion (admitted together, as one batch where they fit)."""
+        """Run these sequences to completion (admitted together, as one batch where they fit). A
+        step that fails for the whole batch (the model's forward) raises, leaving the engine
+        empty and ready for the next call."""
         for s in seqs:
             self.add(s)
-        while self.has_unfinished:
-            self.step()
+        try:
+            while self.has_unfinished:
+                self.step()
+        except Exception as e:
+            self.abort_all(e)
+            raise
         return seqs
+
+    def abort_all(self, error: Exception) -> list[Sequence]:
+        """Finish every queued and running sequence with reason ``error`` (recorded in its trace)
+        and empty the batch: what a caller does when a step failed for the whole batch."""
+        with self._lock:
+            seqs, self.waiting = [*self.waiting, *self.running], deque()
+        self.running = []
+        now = time.perf_counter()
+        for s in seqs:
+            if not s.is_finished:
+                s.trace.marker_errors.append(f"engine error: {type(error).__name__}: {error}")
+                self._finish(s, "error", now)
+        self.runner.reset(0)
+        return seqs
+
+    def retrieval_health(self) -> dict:
+        """The retrieval worker's state: ``status`` ok | degraded, ``reason``, hung searches..."""
+        return self.worker.health()
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -238,7 +274,7 @@ class RigEngine:
         rows = [self.running[i] for i in ready]
         staged = self._assemble_staged(ready)  # its time goes to the splicing rows only
         t0 = time.perf_counter()
-        spliced = {s.seq_id for s in rows if s.has_evidence_pending}
+        spliced = [s.has_evidence_pending for s in rows]
         feed = [s.pending if s.status is RUNNING else [] for s in self.running]
         if staged:
             reselect = {i: self.running[i].staged_reselect for i in staged}
@@ -253,18 +289,21 @@ class RigEngine:
         dt_ms = (done - t0) * 1e3
         parked = []
         row_info = getattr(self.runner, "row_info", None)  # a remote runner: what the server did
-        for i, s, tok, was_forced in zip(ready, rows, tokens, forced):
-            info = row_info(i) if row_info is not None else None
-            if s.seq_id in spliced:
-                s.trace.splice_ms += dt_ms
-                s.trace.retrieval_steps[-1].splice_ms += dt_ms
-                if info is not None:
-                    s.trace.retrieval_steps[-1].info["server"] = info
-            elif s.num_generated:
-                s.trace.decode_ms += dt_ms
-            else:
-                s.trace.ttft_ms = (done - s.arrival) * 1e3
-            self._postprocess(s, tok, was_forced)
+        for i, s, tok, was_forced, was_spliced in zip(ready, rows, tokens, forced, spliced):
+            try:
+                info = row_info(i) if row_info is not None else None
+                if was_spliced:
+                    s.trace.splice_ms += dt_ms
+                    s.trace.retrieval_steps[-1].splice_ms += dt_ms
+                    if info is not None:
+                        s.trace.retrieval_steps[-1].info["server"] = info
+                elif s.num_generated:
+                    s.trace.decode_ms += dt_ms
+                else:
+                    s.trace.ttft_ms = (done - s.arrival) * 1e3
+                self._postprocess(s, tok, was_forced)
+            except Exception as e:  # noqa: BLE001 - one row's bookkeeping fails that row alone
+                self._fail_row(s, "postprocessing its token", e, done)
             if s.status is RETRIEVING:
                 parked.append(s)
         self._park(parked, done)
@@ -283,7 +322,15 @@ class RigEngine:
         if not rows:
             return {}
         t0 = time.perf_counter()
-        assembled = self.chunks.blocks_kv([self.running[i].staged_block for i in rows])
+        try:
+            assembled = self.chunks.blocks_kv([self.running[i].staged_block for i in rows])
+        except Exception as e:  # noqa: BLE001 - the blocks are fed whole instead: the exact splice
+            for i in rows:
+                s = self.running[i]
+                s.staged_block, s.staged_reselect = None, 0
+                s.trace.retrieval_steps[-1].info["zero_prefill"]["fallback"] = (
+                    f"exact splice: assembling staged KV failed ({type(e).__name__}: {e})")
+            return {}
         kv_ms = (time.perf_counter() - t0) * 1e3
         for i, block in zip(rows, assembled):
             s = self.running[i]
@@ -347,7 +394,7 @@ class RigEngine:
             elif s.deadline_at is not None and now > s.deadline_at:
                 self._finish(s, "deadline", now)
             elif s.status is RETRIEVING and now - s.parked_at > self.opts.retrieval_timeout_s:
-                self._splice(s, [], f"retriever timed out after {self.opts.retrieval_timeout_s:g}s", now,
+                self._serve(s, [], f"retriever timed out after {self.opts.retrieval_timeout_s:g}s", now,
                              latency_ms=(now - s.parked_at) * 1e3)
 
     def _evict(self, now: float) -> None:
@@ -356,11 +403,29 @@ class RigEngine:
             self.runner.select(keep)
             self.running = [self.running[i] for i in keep]
 
-    def _finish(self, s: Sequence, reason: str, now: float) -> None:
+    def _finish(self, s: Sequence, reason: str, now: float, step: RetrievalStep | None = None) -> None:
+        """End a sequence. One parked on a marker gets that hop recorded (``step``, or one saying
+        why no evidence came), so every marker it completed has its ``RetrievalStep``."""
+        if s.status is RETRIEVING:
+            if step is None:
+                step = RetrievalStep(s.matcher.num_markers, s.query or "",
+                                     error=_UNSERVED.get(reason, f"{reason} at the marker; no retrieval"),
+                                     position=len(s.token_ids))
+                if s.parked_at:
+                    step.latency_ms = (now - s.parked_at) * 1e3
+            step.fallback = step.fallback or "no evidence: finished"
+            s.trace.retrieval_steps.append(step)
         s.ticket = 0  # a search still in flight is dropped when it returns
         s.finish(reason)
         s.trace.total_ms = (now - s.arrival) * 1e3
         s.trace.marker_tokens = s.matcher.num_marker_tokens()
+
+    def _fail_row(self, s: Sequence, what: str, error: Exception, now: float) -> None:
+        """A failure handling one row ends that row (reason ``error``, recorded); its cache leaves
+        the batch at the next step, the other rows go on."""
+        s.trace.marker_errors.append(f"engine error while {what}: {type(error).__name__}: {error}")
+        if not s.is_finished:
+            self._finish(s, "error", now)
 
     # -- postprocess --------------------------------------------------------------------------------
 
@@ -392,11 +457,7 @@ class RigEngine:
                 s.status, s.query = RETRIEVING, ev.query
             else:
                 s.trace.marker_errors.append("a second marker in the same token was ignored")
-        if s.status is RETRIEVING and s.num_generated >= s.max_new_tokens:
-            s.trace.retrieval_steps.append(RetrievalStep(
-                s.matcher.num_markers, s.query, error="token limit reached at the marker; no retrieval"))
-            self._finish(s, "length", now)
-        elif s.num_generated >= s.max_new_tokens:
+        if s.num_generated >= s.max_new_tokens:
             self._finish(s, "length", now)
         elif s.num_kept >= self.runner.context_limit:
             self._finish(s, "context_full", now)
@@ -407,16 +468,16 @@ class RigEngine:
         """Hand the parked rows' queries to the worker (an empty query gets no search)."""
         for s in parked:
             s.parked_at = now
-            reuse = None
-            if s.query and self.opts.reuse_similarity is not None:
-                reuse = find_reuse(s.query, s.memory, s.trace, self.opts.reuse_similarity,
-                                   hops_in_context=self.opts.append_format != "summary")
-            if reuse is not None:  # answered from documents already in context: no search
-                self._splice(s, [], None, now, reuse=reuse)
-            elif s.query:
-                s.ticket = self.worker.submit(s.seq_id, s.query, s.top_k)
-            else:
-                self._splice(s, [], "empty query", now)
+            try:
+                reuse = self._find_reuse(s)
+                if reuse is not None:  # answered from documents already in context: no search
+                    self._serve(s, [], None, now, reuse=reuse)
+                elif s.query:
+                    s.ticket = self.worker.submit(s.seq_id, s.query, s.top_k)
+                else:
+                    self._serve(s, [], "empty query", now)
+            except Exception as e:  # noqa: BLE001 - this row's hop fails alone
+                self._serve(s, [], f"search could not be queued: {type(e).__name__}: {e}", now)
         if self.sync:  # the decode path waits for this step's searches
             waiting = [s for s in parked if s.status is RETRIEVING]
             limit = now + self.opts.retrieval_timeout_s
@@ -425,19 +486,51 @@ class RigEngine:
                 self._collect(self.worker.poll(), time.perf_counter())
             self._expire(time.perf_counter())
 
+    def _find_reuse(self, s: Sequence) -> Reuse | None:
+        if not s.query or self.opts.reuse_similarity is None:
+            return None
+        try:
+            return find_reuse(s.query, s.memory, s.trace, self.opts.reuse_similarity,
+                              hops_in_context=self.opts.append_format != "summary")
+        except Exception as e:  # noqa: BLE001 - no reuse: the query is searched
+            s.hop_info["reuse_error"] = f"{type(e).__name__}: {e}"
+            return None
+
     def _collect(self, results: list[RetrievalResult], now: float) -> None:
         by_ticket = {s.ticket: s for s in self.running if s.status is RETRIEVING and s.ticket}
         for r in results:
             s = by_ticket.get(r.ticket)
             if s is not None:  # else: the sequence gave up on it (timeout, cancel, deadline)
-                self._splice(s, r.hits, r.error, now, r.latency_ms, r.batch_size, r.attempts)
+                self._serve(s, r.hits, r.error, now, r.latency_ms, r.batch_size, r.attempts)
+
+    def _serve(self, s: Sequence, hits: list[Hit], error: str | None, now: float, latency_ms: float = 0.0,
+               batch_size: int = 0, attempts: int = 0, reuse: Reuse | None = None) -> None:
+        """``_splice``, with its failures kept to the row: one that fails before changing anything
+        (rendering, numbering) gets a no-evidence block with the failure recorded; a second
+        failure, or one after the row's cache changed, finishes the row (reason ``error``)."""
+        try:
+            self._splice(s, hits, error, now, latency_ms, batch_size, attempts, reuse)
+            return
+        except _RowBroken as e:
+            s.trace.marker_errors.append(f"engine error while splicing its evidence: {e.step.error}")
+            self._finish(s, "error", now, e.step)
+            return
+        except Exception as e:  # noqa: BLE001
+            why = f"evidence could not be rendered ({type(e).__name__}: {e})"
+        try:
+            self._splice(s, [], why if error is None else f"{error}; {why}", now, latency_ms, batch_size, attempts)
+        except Exception as e:  # noqa: BLE001
+            self._fail_row(s, "splicing a no-evidence block", e.__cause__ or e, now)
 
     def _splice(self, s: Sequence, hits: list[Hit], error: str | None, now: float, latency_ms: float = 0.0,
                 batch_size: int = 0, attempts: int = 0, reuse: Reuse | None = None) -> None:
-        """Queue the evidence block behind the marker-completing token; the row runs again."""
+        """Queue the evidence block behind the marker-completing token; the row runs again.
+
+        All or nothing: the step and the block are built first, touching nothing; then (summary
+        mode) the old evidence leaves the cache, and the row's state changes by appends alone."""
         step = RetrievalStep(s.matcher.num_markers, s.query or "", latency_ms=latency_ms, batch_size=batch_size,
                              position=len(s.token_ids), error=error)
-        step.info = dict(getattr(hits, "info", {}))
+        step.info = {**getattr(hits, "info", {}), **s.hop_info}
         if attempts > 1:
             step.info["attempts"] = attempts
         if reuse is not None:
@@ -445,25 +538,36 @@ class RigEngine:
         step.fallback = step.info.get("fallback")
         if reuse is None and (error or step.info.get("empty")):
             step.fallback = "no-evidence block" if error else f"{step.fallback}; no-evidence block"
-        s.trace.retrieval_steps.append(step)
-        s.trace.retrieval_ms += latency_ms
-        s.trace.parked_ms += (now - s.parked_at) * 1e3
-        s.ticket = 0
-        if self.opts.append_format == "summary":
-            self._drop_old_evidence(s, step)
-        room = self.runner.context_limit - s.num_kept - 1
+        summary = self.opts.append_format == "summary"
+        freed = sum(e - b for b, e in s.evidence_spans) if summary else 0
+        room = self.runner.context_limit - (s.num_kept - freed) - 1
         numbers = number_hits(hits, {d.id: d.number for d in trace_docs(s.trace)})
         try:
             block = (self.formatter.render_reference(reuse.numbers, budget=room) if reuse is not None
                      else self.formatter.render_block(hits, step.round, budget=room, numbers=numbers))
         except ValueError:
             step.error = "context full: no room for evidence"
-            self._finish(s, "context_full", now)
+            step.fallback = "no evidence: finished"
+            self._finish(s, "context_full", now, step)
             return
         # the block renders hits in order, up to its budget
         step.docs = [RetrievedDoc(h.doc_id, h.title, h.score, h.source, n, text)
                      for h, n, text in zip(hits, numbers, block.shown)]
+        if block.truncated:
+            step.info["evidence_cut"] = True
         step.evidence_tokens = len(block.token_ids)
+        if summary:
+            try:
+                self._drop_old_evidence(s, step)
+            except Exception as e:  # the row's cache may be partly moved: it cannot go on
+                step.error = f"summary eviction failed: {type(e).__name__}: {e}"
+                step.fallback = "no evidence: finished"
+                raise _RowBroken(step) from e
+        s.hop_info = {}
+        s.trace.retrieval_steps.append(step)
+        s.trace.retrieval_ms += latency_ms
+        s.trace.parked_ms += (now - s.parked_at) * 1e3
+        s.ticket = 0
         s.trace.evidence_tokens += len(block.token_ids)
         s.evidence_spans.append((len(s.token_ids), len(s.token_ids) + len(block.token_ids)))
         if self.chunks is not None and not self.opts.reprefill:
@@ -482,24 +586,54 @@ class RigEngine:
 
     def _drop_old_evidence(self, s: Sequence, step: RetrievalStep) -> None:
         """Summary mode: the evidence blocks the row holds leave its cache (the reference mode only
-        records it: the row's re-prefill leaves them out)."""
+        records it: the row's re-prefill leaves them out). Each span is recorded as it goes, so
+        the row's bookkeeping matches its cache whatever fails."""
         row = self.running.index(s)
         dropped = 0
-        for start, end in s.evidence_spans:
+        while s.evidence_spans:
+            start, end = s.evidence_spans[0]
             if not self.opts.reprefill:
                 at = s.kept_index(start)
                 self.runner.evict(row, at, at + end - start)
-            s.evicted.append((start, end))
+            s.evicted.append(s.evidence_spans.pop(0))
             dropped += end - start
-        s.evidence_spans.clear()
-        if dropped:
             step.info["evicted_tokens"] = dropped
-            s.trace.evicted_tokens += dropped
+            s.trace.evicted_tokens += end - start
 
     def close(self) -> None:
         self.worker.close()
         if hasattr(self.runner, "close"):
             self.runner.close()
+
+
+class _RowBroken(Exception):
+    """A row's cache changed before its hop failed: the row cannot go on (``step`` records why)."""
+
+    def __init__(self, step: RetrievalStep):
+        super().__init__(step.error)
+        self.step = step
+
+
+_UNSERVED = {"length": "token limit reached at the marker; no retrieval",
+             "context_full": "context full at the marker; no retrieval",
+             "deadline": "deadline passed before the evidence came; no retrieval",
+             "cancelled": "cancelled before the evidence came; no retrieval",
+             "error": "the row failed before its evidence came; no retrieval"}
+
+
+def _guarded(knows):
+    """A retriever's ``knows(term)`` that cannot raise into a decode step (a failure: unknown)."""
+    if knows is None:
+        return None
+
+    def safe(term: str) -> bool | None:
+        try:
+            answer = knows(term)
+        except Exception:  # noqa: BLE001
+            return None
+        return answer if isinstance(answer, bool) else None
+
+    return safe
 
 
 def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:

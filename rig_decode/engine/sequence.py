@@ -67,6 +67,9 @@ class Sequence:
     pieces' lengths, how many of its first tokens are copied and its pieces' leads; the next step assembles it (with
     every other row's, their missing pieces computed in one forward) and consumes it."""
     staged_reselect: int = 0
+    hop_info: dict = field(default_factory=dict)
+    """What the coming hop's ``RetrievalStep.info`` records beside the retriever's (a failed reuse
+    lookup, say)."""
     """How many of the staged tokens the runner recomputes, chosen by deviation (CacheBlend)."""
 
     def __post_init__(self):

@@ -247,7 +247,12 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": server.model_id, "in_flight": server.front.num_active}
+        """``status`` is ok while the server serves; ``retrieval`` says whether searches run
+        (``degraded``: too many hung searches, hops answer without evidence; ``retrieval_reason``)."""
+        retrieval = server.engine.retrieval_health()
+        return {"status": "ok", "model": server.model_id, "in_flight": server.front.num_active,
+                "retrieval": retrieval["status"], "retrieval_reason": retrieval["reason"],
+                "hung_searches": retrieval["hung_searches"], "abandoned_searches": retrieval["abandoned_searches"]}
 
     @app.get("/metrics")
     async def metrics():

@@ -30,6 +30,17 @@ class Metrics:
             lambda: len(engine.waiting))
         Gauge("rig_running_sequences", "Sequences in the batch", registry=r).set_function(
             lambda: len(engine.running))
+        health = engine.retrieval_health
+        Gauge("rig_retrieval_degraded", "1 while retrieval is degraded (too many hung searches; see /health)",
+              registry=r).set_function(lambda: float(health()["status"] == "degraded"))
+        Gauge("rig_retrieval_hung_searches", "Abandoned searches still running", registry=r).set_function(
+            lambda: health()["hung_searches"])
+        Gauge("rig_retrieval_abandoned_searches", "Searches abandoned past the timeout since start",
+              registry=r).set_function(lambda: health()["abandoned_searches"])
+        Gauge("rig_retrieval_restarts", "Retrieval threads that died and were replaced", registry=r).set_function(
+            lambda: health()["restarts"])
+        self.hop_errors = Counter("rig_hop_errors", "Hops that got no evidence because of an error", registry=r)
+        self.dropped_hits = Counter("rig_dropped_hits", "Malformed hits a retriever returned, dropped", registry=r)
         Gauge("rig_parked_sequences", "Sequences parked waiting for evidence", registry=r).set_function(
             lambda: sum(s.status is SequenceStatus.RETRIEVING for s in list(engine.running)))
 
@@ -41,6 +52,9 @@ class Metrics:
         self.hops.inc(trace.num_hops)
         for step in trace.retrieval_steps:
             self.retrieval.observe(step.latency_ms / 1e3)
+            if step.error:
+                self.hop_errors.inc()
+            self.dropped_hits.inc(step.info.get("dropped_hits", 0))
             if step.splice_ms:
                 self.splice.observe(step.splice_ms / 1e3)
         self.latency.observe(trace.total_ms / 1e3)
