@@ -30,13 +30,14 @@ from rig_decode.server.background import serve_in_thread
 from workload import QUESTIONS  # bench/ is on sys.path when run as a script
 
 
-async def one(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int) -> dict:
+async def one(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int, hops: int) -> dict:
+    """One streaming chat request, checked; ``hop_records``: its trace's hops (the finish chunk's)."""
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            "rig": {"max_iterations": i % 4}}
+            "rig": {"max_iterations": hops}}
     t0 = time.perf_counter()
     out = {"i": i, "status": None, "done": False, "finishes": 0, "ids": set(), "ttft": None, "hops": 0,
-           "tokens": 0, "error": None}
+           "tokens": 0, "error": None, "timed_out": False, "hop_records": []}
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
             out["status"] = r.status_code
@@ -55,26 +56,31 @@ async def one(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens:
                     if c["finish_reason"]:
                         out["finishes"] += 1
                         out["hops"] = chunk["rig"]["num_hops"]
+                        out["hop_records"] = chunk["rig"]["hops"]
                 if chunk.get("usage"):
                     out["tokens"] = chunk["usage"]["completion_tokens"]
     except Exception as e:  # noqa: BLE001 - every failure is counted, none stops the test
         out["error"] = f"{type(e).__name__}: {e}"
+        out["timed_out"] = isinstance(e, httpx.TimeoutException)
     out["latency"] = time.perf_counter() - t0
     return out
 
 
-async def load(url: str, model: str, n: int, clients: int, max_tokens: int) -> tuple[list[dict], float]:
+async def load(url: str, model: str, n: int, clients: int, max_tokens: int, hops=lambda i: i % 4,
+               label: str = "server bench", timeout_s: float = 600.0) -> tuple[list[dict], float]:
+    """``n`` requests from ``clients`` concurrent clients; request i may hop ``hops(i)`` times."""
     todo: asyncio.Queue = asyncio.Queue()
     for i in range(n):
         todo.put_nowait(i)
     results: list[dict] = []
 
     async def client():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as http:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as http:
             while not todo.empty():
-                results.append(await one(http, url, model, todo.get_nowait(), max_tokens))
+                i = todo.get_nowait()
+                results.append(await one(http, url, model, i, max_tokens, hops(i)))
                 if len(results) % 20 == 0 or len(results) == n:
-                    print(f"[server bench] {len(results)}/{n} requests done, {time.perf_counter() - t0:.0f}s",
+                    print(f"[{label}] {len(results)}/{n} requests done, {time.perf_counter() - t0:.0f}s",
                           file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
@@ -82,7 +88,7 @@ async def load(url: str, model: str, n: int, clients: int, max_tokens: int) -> t
     return results, time.perf_counter() - t0
 
 
-def _counter(metrics: str, name: str) -> float:
+def counter(metrics: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, re.M))
 
 
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
     ok = [r for r in results if r["status"] == 200 and r["done"] and r["finishes"] == 1 and not r["error"]]
     errors = [r for r in results if r not in ok]
     ids = [next(iter(r["ids"])) for r in ok if len(r["ids"]) == 1]
-    served = _counter(metrics, "rig_finished_total") - _counter(warm, "rig_finished_total")
+    served = counter(metrics, "rig_finished_total") - counter(warm, "rig_finished_total")
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in ok)

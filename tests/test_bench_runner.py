@@ -23,3 +23,13 @@ def test_decode_step_bench_set_ups_compute_the_same(real):
     for r in result["rows"]:
         assert r["identical_cache"] and r["same_argmax_packed"], r
         assert all(r[k] > 0 for k in ("dynamic_ms", "buffered_ms", "packed_ms")), r
+
+
+def test_chaos_bench_serves_every_request_and_records_every_fault(real):
+    """bench/chaos.py at a small size: half the searches faulty, every mode possible."""
+    result = _bench("chaos.py", "--requests", "8", "--clients", "4", "--fault-rate", "0.5", "--timeout-s", "1",
+                    "--hang-s", "3", "--max-tokens", "24")
+    assert result["completed"] == 8 and result["lost"] == result["hung"] == result["duplicate_ids"] == 0, result
+    assert result["faults_injected"] > 0 and result["faults_recorded"] == result["faults_injected"], result
+    assert result["clean_request_evidence"] and result["retrieval_after"] == "ok", result
+    assert result["left_in_flight"] == 0 and result["server_finished"] == 9, result

@@ -269,3 +269,34 @@ def test_more_bad_requests_are_400(base):
     r = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+
+
+def test_hung_searches_degrade_retrieval_in_health_and_metrics_until_they_return(model, tok):
+    from rig_decode.retrieval.chaos import FaultyRetriever
+
+    hang = {"on": True}
+    retriever = FaultyRetriever(ScriptedRetriever(), lambda call, queries: "hang" if hang["on"] else None, hang_s=30)
+    engine = tiny_engine(model, tok, retriever=retriever, retrieval_timeout_s=0.2, max_hung_searches=1)
+    app = create_app(tiny_config(), engine=engine)
+    body = {"model": "tiny", "messages": MSG}
+    try:
+        with serve(app) as base, httpx.Client(timeout=30) as http:
+            first = http.post(base + "/v1/chat/completions", json=body).json()
+            assert first["choices"][0]["message"]["content"] == ANSWER
+            assert "timed out" in first["rig"]["hops"][0]["error"]
+            health = http.get(base + "/health").json()
+            assert health["status"] == "ok" and health["retrieval"] == "degraded"
+            assert "1 searches still running past timeout_s" in health["retrieval_reason"]
+            assert "rig_retrieval_degraded 1.0" in http.get(base + "/metrics").text
+            second = http.post(base + "/v1/chat/completions", json=body).json()  # no wait for a search
+            hop = second["rig"]["hops"][0]
+            assert "retrieval degraded" in hop["error"] and hop["latency_ms"] == 0.0
+            hang["on"] = False
+            retriever.release()
+            assert wait_for(lambda: http.get(base + "/health").json()["retrieval"] == "ok")
+            third = http.post(base + "/v1/chat/completions", json=body).json()
+            assert third["rig"]["hops"][0]["error"] is None and third["rig"]["hops"][0]["docs"]
+            metrics = http.get(base + "/metrics").text
+            assert "rig_retrieval_degraded 0.0" in metrics and "rig_hop_errors_total 2.0" in metrics
+    finally:
+        retriever.release()

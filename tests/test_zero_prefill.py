@@ -560,3 +560,18 @@ def test_a_peft_wrapped_model_reselects_through_its_wrapper():
     staged = {0: ChunkKVStore(wrapped).block_kv(block, segments, len(block) - 1)}
     got = runner.step([[context[-1], *block]], staged=staged, reselect={0: len(block) - 1})[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_assembly_falls_back_to_the_exact_splice(deep, tok, monkeypatch):
+    """Assembling staged KV that raises (a device out of memory, say) costs no row its hop: the
+    blocks are fed whole, which is the exact splice, and the fallback is in each hop's trace."""
+    exact, _ = _run(deep, tok, zero_prefill=False)
+
+    def fails(self, blocks):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(ChunkKVStore, "blocks_kv", fails)
+    fallback, engine = _run(deep, tok, zero_prefill=True)
+    assert [s.token_ids for s in fallback] == [s.token_ids for s in exact]
+    steps = [st for s in fallback for st in s.trace.retrieval_steps]
+    assert steps and all("out of memory" in st.info["zero_prefill"]["fallback"] for st in steps)
