@@ -374,3 +374,21 @@ def test_chaos_every_request_finishes_in_time_and_every_fault_is_recorded(model,
     finally:
         retriever.release()
         e.close()
+
+
+def test_a_logits_processor_failing_on_one_row_ends_that_row_alone(model, tok):
+    class FailsOnRowOne:
+        def apply(self, rows, scores):
+            if any(r.seq_id == 1 and r.num_generated == 5 for r in rows):
+                raise IndexError("citation number out of range")
+            return scores
+
+    prompts = [tok.encode("first"), tok.encode("second")]
+    alone = two_row_engine(model, tok)
+    [expected] = alone.generate([alone.new_sequence(prompts[0], 0)])
+    e = two_row_engine(model, tok)
+    e.processors.insert(0, FailsOnRowOne())
+    a, b = e.generate([e.new_sequence(p, i) for i, p in enumerate(prompts)])
+    assert b.finish_reason == "error" and b.num_generated == 5
+    assert "applying logits processors: IndexError" in b.trace.marker_errors[-1]
+    assert a.token_ids == expected.token_ids and a.finish_reason == expected.finish_reason

@@ -284,12 +284,14 @@ class RigEngine:
         for s in rows:
             s.pending.clear()
             s.staged_block, s.staged_reselect = None, 0
-        tokens, forced = self._sample(rows, logits[ready])
+        tokens, forced = self._sample(rows, logits, ready)
         done = time.perf_counter()
         dt_ms = (done - t0) * 1e3
         parked = []
         row_info = getattr(self.runner, "row_info", None)  # a remote runner: what the server did
         for i, s, tok, was_forced, was_spliced in zip(ready, rows, tokens, forced, spliced):
+            if s.is_finished:  # its processors failed
+                continue
             try:
                 info = row_info(i) if row_info is not None else None
                 if was_spliced:
@@ -429,18 +431,34 @@ class RigEngine:
 
     # -- postprocess --------------------------------------------------------------------------------
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """Sampled token per row, and whether a processor forced it (one finite logit left)."""
-        for p in self.processors:
-            logits = p.apply(rows, logits)
+    def _sample(self, rows: list[Sequence], all_logits: torch.Tensor, ready: list[int]) -> tuple[list[int], list[bool]]:
+        """Sampled token per row, and whether a processor forced it (one finite logit left).
+        Processors that fail on the batch run again row by row (from the same raw logits): a
+        row they still fail on ends (reason ``error``), the others sample as they would have."""
+        try:
+            logits = self._process(rows, all_logits[ready])
+        except Exception:  # noqa: BLE001 - find the row(s) it fails on
+            parts = []
+            for i, s in zip(ready, rows):
+                try:
+                    parts.append(self._process([s], all_logits[i : i + 1].clone()))
+                except Exception as e:  # noqa: BLE001
+                    self._fail_row(s, "applying logits processors", e, time.perf_counter())
+                    parts.append(all_logits[i : i + 1])
+            logits = torch.cat(parts)
         forced = (torch.isfinite(logits).sum(dim=-1) == 1).tolist()
         tokens = logits.argmax(dim=-1).tolist()
         for i, s in enumerate(rows):
             temp = self.opts.temperature if s.temperature is None else s.temperature
-            if temp > 0 and not forced[i]:
+            if temp > 0 and not forced[i] and not s.is_finished:
                 top_p = self.opts.top_p if s.top_p is None else s.top_p
                 tokens[i] = _sample_row(logits[i], temp, top_p, s.generator)
         return tokens, forced
+
+    def _process(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        for p in self.processors:
+            logits = p.apply(rows, logits)
+        return logits
 
     def _postprocess(self, s: Sequence, tok: int, forced: bool) -> None:
         now = time.perf_counter()
