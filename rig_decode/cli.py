@@ -178,7 +178,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from .eval.synth import write
+    if args.generator == "wide":
+        from .eval.worlds import write
+    else:
+        from .eval.synth import write
 
     counts = write(args.out, seed=args.seed, scale=args.scale)
     print(json.dumps(counts))
@@ -315,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--out", required=True)
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--scale", type=float, default=1.0)
+    syn.add_argument("--generator", choices=("products", "wide"), default="products",
+                     help="products: five relations over products, makers, founders, cities, countries; wide: 40 "
+                          "relations over nine kinds with transfer splits (unseen entities, phrasings, relations)")
     syn.set_defaults(func=cmd_synth)
 
     index = sub.add_parser("index", help="build, update and inspect retrieval indexes")

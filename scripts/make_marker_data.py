@@ -63,8 +63,8 @@ def main(argv=None) -> int:
                     help="system message of every trace; the trained adapter records it and sessions use it")
     args = ap.parse_args(argv)
     synth, out = Path(args.synth), Path(args.out)
-    if "test" in args.splits.split(","):
-        ap.error("the test split is held out: its entities must stay unseen by training")
+    if any(s.startswith("test") for s in args.splits.split(",")):
+        ap.error("test splits are held out: their entities, phrasings and relations must stay unseen by training")
     focus = set(args.templates.split(",")) if args.templates else None
     if focus and args.conversations:
         ap.error("--templates selects single-turn questions; conversations have no templates")

@@ -51,6 +51,17 @@ VARIANTS = {"special": "special_token", "text": "special_token", "json": "json"}
 single tokens), ``text`` (the same delimiters as plain text), ``json`` (the JSON style)."""
 
 
+def hop_plan(q: dict) -> list[tuple[str, str, list[str]]]:
+    """Per hop of a question record: (entity, the document it needs, query phrasings). Records of
+    the wide worlds carry their ``plan``; those of ``eval/synth.py`` are planned from their
+    template's relation path."""
+    if q.get("plan"):
+        return [(p["entity"], p["doc"], list(p["queries"])) for p in q["plan"]]
+    path = PATHS[q["template"]]
+    return [(q["entities"][h], q["supporting_docs"][h], [p.format(e=q["entities"][h]) for p in PHRASINGS[rel]])
+            for h, rel in enumerate(path)]
+
+
 def spoken(text: str) -> str:
     """``text`` as the model writes it: after a space. A byte-level BPE tokenizer splits a word at
     the start of a text differently from the same word after a space (``Sa|ibou`` vs ``ĠSa|ibou``),
@@ -155,14 +166,12 @@ class TraceBuilder:
         if not q.get("needs_retrieval", True) or q["hops"] == 0:
             trace.kind = "no_retrieval"
         else:
-            chain, path, gold = q["entities"], PATHS[q["template"]], q["supporting_docs"]
             hop = 0
-            for h, rel in enumerate(path):
-                entity = chain[h]
+            for h, (entity, gold, phrasings) in enumerate(hop_plan(q)):
                 if h == 0 and self.rng.random() < self.p_misleading:
                     vague = entity.split()[0]
                     hits = self._search(vague)
-                    if hits and hits[0].doc_id != gold[h]:  # the best hit is about another entity
+                    if hits and hits[0].doc_id != gold:  # the best hit is about another entity
                         hop += 1
                         write(self.spec.render(spoken(vague)))
                         trace.queries.append(vague)
@@ -170,15 +179,14 @@ class TraceBuilder:
                         trace.kind = "misleading_requery"
                 elif self.rng.random() < self.p_empty:
                     hop += 1
-                    first = self.rng.choice(PHRASINGS[rel]).format(e=entity)
+                    first = self.rng.choice(phrasings)
                     write(self.spec.render(spoken(first)))
                     trace.queries.append(first)
                     splice([], hop)  # the decoder's block for a failed or empty search
                     trace.kind = "empty_requery"
-                for phrasing in self.rng.sample(PHRASINGS[rel], len(PHRASINGS[rel])):
-                    query = phrasing.format(e=entity)
+                for query in self.rng.sample(phrasings, len(phrasings)):
                     hits = self._search(query)
-                    if gold[h] in {x.doc_id for x in hits}:
+                    if gold in {x.doc_id for x in hits}:
                         break
                 else:
                     self.stats.skipped += 1
