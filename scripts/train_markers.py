@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -68,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model, "
                                      "variant and --top-layers)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=25,
+                    help="save the run's state to OUT/checkpoint every N steps; the same command started again "
+                         "continues from there")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,11 +106,14 @@ def main(argv=None) -> int:
     print(f"[train] {len(traces)} traces, {sum(p.numel() for p in model.parameters() if p.requires_grad):,} "
           f"trainable parameters, {cfg.steps} steps", file=sys.stderr)
 
-    def progress(step, loss):
-        print(f"[train] step {step}/{cfg.steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+    def progress(step, loss, eta_s):
+        print(f"[train] step {step}/{cfg.steps} loss {loss:.4f}, {eta_s / 60:.1f} min left", file=sys.stderr, flush=True)
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    result = train(model, traces, pad, cfg, progress)
+    checkpoint = Path(args.out) / "checkpoint"
+    if (checkpoint / "state.pt").exists():
+        print(f"[train] continuing from {checkpoint}", file=sys.stderr)
+    result = train(model, traces, pad, cfg, progress, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
     result.added_tokens = tok.convert_ids_to_tokens(added) if added else []
     kinds: dict[str, int] = {}
     for t in traces:
@@ -128,6 +135,7 @@ def main(argv=None) -> int:
                        stages=stages_card(record["stages"]) if "stages" in record else "")
     out = Path(args.out)
     save(model, tok, out, cfg, result, record)
+    shutil.rmtree(checkpoint, ignore_errors=True)  # the run is complete: a new one starts afresh
     (out / "README.md").write_text(card)
     # what a session needs to prompt the model the way it was trained (models.loader.adapter_settings)
     settings = {"system_prompt": system_prompt, "marker_style": traces[0]["style"],

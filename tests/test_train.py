@@ -222,3 +222,45 @@ def test_a_resumed_adapter_lists_every_stage_it_went_through():
     assert card.splitlines()[2:] == [
         "  1. `a.jsonl` (10 traces): 200 steps, lr 0.0003, 2163 s, loss 4.610 -> 0.270",
         "  2. `a.jsonl,b.jsonl` (30 traces): 150 steps, lr 0.0001, 1229 s, loss 0.593 -> 0.241"]
+
+
+def test_a_run_stopped_midway_continues_from_its_checkpoint_to_the_same_result(world, tmp_path):
+    """Stopped after its 12th step (the checkpoint at 10 survives), the same run started again
+    continues from step 10 and ends with the weights and losses of an uninterrupted run."""
+    splits, retriever = world
+    tok = tiny_tokenizer()
+    builder = TraceBuilder(tok, retriever, "special", system_prompt="Search, then answer.", evidence_budget=48,
+                           top_k=1, seed=0)
+    traces = [t.to_json() for q in splits["train"][:16] if (t := builder.build(_rec(q)))]
+    cfg = TrainConfig(steps=20, batch_size=4, lr=3e-3, warmup=2, log_every=4, seed=0, top_layers=1.0)
+
+    def fresh():  # a tokenizer of its own: adding the markers changes it
+        own = tiny_tokenizer()
+        model = tiny_model(len(own))
+        added = add_marker_tokens(model, own, __import__("rig_decode.markers").markers.MarkerSpec.special_token())
+        return wrap_lora(model, TrainConfig(rank=4, alpha=8, top_layers=1.0), added)
+
+    whole = fresh()
+    expected = train(whole, traces, tok.pad_token_id, cfg)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_12(step, loss, eta_s):
+        assert eta_s >= 0
+        if step == 12:
+            raise Stop
+
+    first = fresh()
+    with pytest.raises(Stop):
+        train(first, traces, tok.pad_token_id, cfg, stop_at_12, checkpoint=tmp_path, checkpoint_every=5)
+    assert torch.load(tmp_path / "state.pt", weights_only=False)["step"] == 10
+    steps = []
+    resumed = fresh()
+    result = train(resumed, traces, tok.pad_token_id, cfg, lambda s, loss, eta: steps.append(s), checkpoint=tmp_path,
+                   checkpoint_every=5)
+    assert steps == [12, 16, 20] and result.losses == pytest.approx(expected.losses, abs=1e-6)
+    for (n, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6), n
+    with pytest.raises(ValueError, match="checkpoint of another run"):
+        train(fresh(), traces[:-1], tok.pad_token_id, cfg, checkpoint=tmp_path, checkpoint_every=5)

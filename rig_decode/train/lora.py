@@ -159,12 +159,20 @@ def _stop_backprop_below(model, cfg: TrainConfig):
     return layers[first].register_forward_pre_hook(detach, with_kwargs=True)
 
 
-def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=None) -> TrainResult:
+def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=None,
+          checkpoint: Path | None = None, checkpoint_every: int = 25) -> TrainResult:
     """Train ``model`` (already wrapped by ``wrap_lora``) in place; returns the loss history.
-    Batches group traces of similar length (less padding), in a seeded order."""
+    Batches group traces of similar length (less padding), in a seeded order. ``progress(step,
+    loss, eta_s)`` is called every ``log_every`` steps.
+
+    With ``checkpoint`` (a folder), the run saves its whole state there every
+    ``checkpoint_every`` steps (trainable weights, optimiser, schedule, batch order, losses) and,
+    started again with the same folder, continues from the last one: a run stopped at any point
+    loses at most ``checkpoint_every`` steps, and its result equals an uninterrupted run's."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (
@@ -173,10 +181,27 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
     rng = random.Random(cfg.seed)
     result = TrainResult(trainable_params=sum(p.numel() for p in params))
+    queue, running, start, before = [], [], 0, 0.0
+    identity = {"config": asdict(cfg), "traces": len(traces), "first": traces[0]["input_ids"][:32]}
+    state_file = checkpoint / "state.pt" if checkpoint is not None else None
+    if state_file is not None and state_file.exists():
+        state = torch.load(state_file, weights_only=False)
+        if state["identity"] != identity:
+            raise ValueError(f"{state_file} is a checkpoint of another run (other data or settings): "
+                             "delete it to start afresh, or resume with the same arguments")
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state["params"][n])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        queue, result.losses, running = state["queue"], state["losses"], state["running"]
+        start, before = state["step"], state["seconds"]
     model.train()
     stop = _stop_backprop_below(model, cfg)
-    t0, queue, running = time.perf_counter(), [], []
-    for step in range(cfg.steps):
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
         if not queue:
             queue = rng.sample(batches, len(batches))
         batch = {k: v.to(device) for k, v in collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len).items()}
@@ -191,12 +216,27 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
             result.losses.append(sum(running) / len(running))
             running = []
             if progress:
-                progress(step + 1, result.losses[-1])
+                rate = (time.perf_counter() - t0) / (step + 1 - start)
+                progress(step + 1, result.losses[-1], rate * (cfg.steps - step - 1))
+        if state_file is not None and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
+            _save_state(state_file, {"identity": identity, "params": {n: p.detach().clone() for n, p in named},
+                                     "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                                     "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "queue": queue,
+                                     "losses": list(result.losses), "running": list(running), "step": step + 1,
+                                     "seconds": before + time.perf_counter() - t0})
     model.eval()
     if stop is not None:
         stop.remove()
-    result.seconds = time.perf_counter() - t0
+    result.seconds = before + time.perf_counter() - t0
     return result
+
+
+def _save_state(path: Path, state: dict) -> None:
+    """Written whole or not at all: a run killed mid-write keeps its previous checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
 
 
 def save(model, tokenizer, out: Path, cfg: TrainConfig, result: TrainResult, card: dict) -> None:
