@@ -180,7 +180,7 @@ def test_past_the_cap_of_hung_searches_retrieval_is_degraded_then_recovers():
         t0 = time.perf_counter()
         w.submit(2, "fine")
         refused = w.poll()  # answered at once, no wait
-        assert time.perf_counter() - t0 < 0.05 and "retrieval degraded" in refused[0].error
+        assert time.perf_counter() - t0 < 1.0 and "retrieval degraded" in refused[0].error  # the hang is 10 s
         gate.set()
         deadline = time.monotonic() + 5
         while w.health()["status"] != "ok" and time.monotonic() < deadline:
@@ -349,7 +349,9 @@ def test_a_marker_completed_as_the_row_ends_gets_its_step(model, tok, reason, mo
        second_hop=st.lists(st.booleans(), min_size=5, max_size=5))
 def test_chaos_every_request_finishes_in_time_and_every_fault_is_recorded(model, tok, faults, starts, second_hop):
     """A random fault per search over a ragged batch whose rows hop at different steps: each
-    request ends within its hops' timeouts (plus decoding), and each dealt fault is in a trace."""
+    request ends, within its token budget, having waited for evidence no longer than its hops'
+    timeouts (plus a step each: timeouts are seen between steps), and each dealt fault is in a
+    trace. (Decoding time depends on the machine's load, not on faults: it is not bounded here.)"""
     timeout = 0.2
     plan = lambda call, queries: faults[(call - 1) % len(faults)]  # noqa: E731
     retriever = FaultyRetriever(ScriptedRetriever(), plan, hang_s=5, slow_s=0.05)
@@ -364,9 +366,11 @@ def test_chaos_every_request_finishes_in_time_and_every_fault_is_recorded(model,
         steps = {}
         for s in seqs:
             assert s.finish_reason in ("stop", "length"), s.trace.marker_errors
-            hops = s.trace.num_hops
-            assert s.trace.total_ms < hops * (timeout + 0.3) * 1e3 + 4000, (hops, s.trace.total_ms)
+            hops, slack = s.trace.num_hops, 1.0
+            assert s.num_generated <= 48 and 1 <= hops <= 2
+            assert s.trace.parked_ms <= hops * (timeout + slack) * 1e3, (hops, s.trace.parked_ms)
             for step in s.trace.retrieval_steps:
+                assert step.latency_ms <= (timeout + slack) * 1e3, step
                 steps[step.query] = step
         for inj in retriever.injected:
             for q in inj.queries:
