@@ -12,6 +12,7 @@ from rig_decode import RigConfig, RigSession
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.retrieval_worker import RetrievalWorker
 from rig_decode.markers import MarkerSpec, MarkerVocab
+from rig_decode.retrieval.base import Hit
 from rig_decode.retrieval.chaos import FAULTS, MODES, FaultyRetriever, fault_recorded
 
 from .helpers import ForceScript, ScriptedRetriever
@@ -142,18 +143,19 @@ def drain(worker, n, timeout=5.0):
 
 
 def test_a_hung_search_is_abandoned_and_the_queue_moves_on():
-    gate = threading.Event()
+    gate, hanging = threading.Event(), threading.Event()
 
     class HangsOnce(ScriptedRetriever):
         def search_batch(self, queries, top_k, filters=None):
             if "stuck" in queries:
+                hanging.set()
                 gate.wait(10)
             return super().search_batch(queries, top_k, filters)
 
     w = RetrievalWorker(HangsOnce(), top_k=2, timeout_s=0.2, max_hung=2)
     try:
         t1 = w.submit(1, "stuck")
-        time.sleep(0.05)
+        assert hanging.wait(5)
         t2 = w.submit(2, "next")  # queued behind the hung call
         results = {r.ticket: r for r in drain(w, 2)}
         assert "timed out" in results[t1].error and not results[t1].hits
@@ -242,12 +244,21 @@ def two_row_engine(model, tok, **opts):
                      extra_processors=[ForceScript(script)])
 
 
+class Poisons(ScriptedRetriever):
+    """The query "poison" gets a (valid) hit that the poisoned renderer below cannot render."""
+
+    def search_batch(self, queries, top_k, filters=None):
+        out = super().search_batch(queries, top_k, filters)
+        return [[Hit("poison", "a text", 1.0)] if q == "poison" else hits for q, hits in zip(queries, out)]
+
+
 def test_a_row_whose_evidence_cannot_be_rendered_fails_alone(model, tok):
     e = two_row_engine(model, tok)
+    e.worker.retriever = Poisons()
     render = e.formatter.render_block
 
     def poisoned(hits, hop, budget=None, numbers=None):
-        if any("poison" in s.query for s in e.running if s.status.value == "retrieving" and s.seq_id == 0) and hits:
+        if any(h.doc_id == "poison" for h in hits):
             raise AttributeError("'NoneType' object has no attribute 'split'")
         return render(hits, hop, budget, numbers)
 
