@@ -155,6 +155,7 @@ def test_a_hung_search_is_abandoned_and_the_queue_moves_on():
     w = RetrievalWorker(HangsOnce(), top_k=2, timeout_s=0.2, max_hung=2)
     try:
         t1 = w.submit(1, "stuck")
+        w.flush()
         assert hanging.wait(5)
         t2 = w.submit(2, "next")  # queued behind the hung call
         results = {r.ticket: r for r in drain(w, 2)}
@@ -206,6 +207,7 @@ def test_a_dead_search_thread_is_noticed_and_replaced():
     w._run = dies
     try:
         t = w.submit(1, "lost")
+        w.flush()
         w._lane.thread.join(2)
         [r] = drain(w, 1)
         assert r.ticket == t and "ended unexpectedly" in r.error and w.health()["restarts"] == 1

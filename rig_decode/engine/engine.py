@@ -496,6 +496,7 @@ class RigEngine:
                     self._serve(s, [], "empty query", now)
             except Exception as e:  # noqa: BLE001 - this row's hop fails alone
                 self._serve(s, [], f"search could not be queued: {type(e).__name__}: {e}", now)
+        self.worker.flush()  # this step's queries, in one search call
         if self.sync:  # the decode path waits for this step's searches
             waiting = [s for s in parked if s.status is RETRIEVING]
             limit = now + self.opts.retrieval_timeout_s

@@ -59,6 +59,7 @@ class RetrievalWorker:
             raise ValueError(f"max_hung must be at least 1, got {max_hung}")
         self.retriever, self.top_k, self.retries = retriever, top_k, retries
         self.timeout_s, self.max_hung = timeout_s, max_hung
+        self._pending: list[Job] = []  # submitted, not yet flushed
         self._queue: list[Job] = []
         self._done: list[RetrievalResult] = []
         self._cond = threading.Condition()
@@ -75,7 +76,9 @@ class RetrievalWorker:
     # -- the engine's side --------------------------------------------------------------------------
 
     def submit(self, seq_id: int, query: str, top_k: int | None = None) -> int:
-        """Queue a query (``top_k``: this one's result count, default the worker's)."""
+        """Queue a query (``top_k``: this one's result count, default the worker's). It is searched
+        from the next ``flush`` (or ``poll``/``wait``) on, with every query submitted before it:
+        one step's queries go to the retriever in one call."""
         with self._cond:
             self._next_ticket += 1
             job = (self._next_ticket, seq_id, query, top_k or self.top_k)
@@ -83,10 +86,13 @@ class RetrievalWorker:
             if refusal:  # answered now: the hop gets its no-evidence block without a wait
                 self._done.append(RetrievalResult(job[0], seq_id, [], refusal, 0.0, 0, 0))
             else:
-                self._queue.append(job)
-            self._supervise()
-            self._cond.notify_all()
+                self._pending.append(job)
             return job[0]
+
+    def flush(self) -> None:
+        """Hand the queries submitted so far to the search thread."""
+        with self._cond:
+            self._supervise()
 
     def poll(self) -> list[RetrievalResult]:
         with self._cond:
@@ -110,7 +116,7 @@ class RetrievalWorker:
             reason = self._degraded_reason()
             return {"status": "degraded" if reason else "ok", "reason": reason, "hung_searches": len(self._hung),
                     "abandoned_searches": self.num_abandoned, "restarts": self.num_restarts, "calls": self.calls,
-                    "queued": len(self._queue)}
+                    "queued": len(self._queue) + len(self._pending)}
 
     def close(self) -> None:
         with self._cond:
@@ -127,6 +133,10 @@ class RetrievalWorker:
 
     def _supervise(self) -> None:
         """Abandon an overdue call, replace a dead lane, start a lane for queued queries."""
+        if self._pending:
+            self._queue += self._pending
+            self._pending = []
+            self._cond.notify_all()
         lane, now = self._lane, time.perf_counter()
         if lane is not None and lane.batch is not None and now - lane.started > self.timeout_s:
             self._fail(lane.batch, f"retriever timed out after {self.timeout_s:g}s (search abandoned)",
