@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 
-from .world_schema import ARITHMETIC, COMMON, KIND_WORD, QUESTION_FRAMES, RELATION, Relation, doc_id
+from .world_schema import (ARITHMETIC, COMMON, KIND_WORD, QUESTION_FRAMES, RELATION, Relation, capitalised,
+                           doc_id)
 
 COMPARE_FRAMES = {
     "which_kind": "Which {kind} has the {adj} {noun}, {np_a} or {np_b}?",
@@ -35,10 +36,6 @@ HELD_OUT_YESNO = ("equal", "alike")
 
 def _poss(x: str) -> str:
     return x + ("'" if x.endswith("s") else "'s")
-
-
-def _cap(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 def noun_phrase(start: str, rels: list[Relation], possessive: bool = False) -> str:
@@ -86,7 +83,7 @@ def chain_question(w, spec, rng: random.Random, hops: int) -> dict | None:
     np = noun_phrase(chain[0], rels[:-1])
     text = QUESTION_FRAMES[frame].format(noun=last.noun, np=np, kind=KIND_WORD[last.object],
                                          wh=last.wh.format(x=np), np_poss=_poss(noun_phrase(chain[0], rels[:-1], True)))
-    return _record(w, _cap(text), chain[-1], "chain", ">".join(r.name for r in rels), frame, chain[:-1], rels)
+    return _record(w, capitalised(text), chain[-1], "chain", ">".join(r.name for r in rels), frame, chain[:-1], rels)
 
 
 def _number(value: str) -> float:
@@ -132,7 +129,7 @@ def compare_question(w, spec, rng: random.Random) -> dict | None:
     frame = rng.choice(frames)
     np_a, np_b = noun_phrase(a0, pre), noun_phrase(b0, pre)
     text = COMPARE_FRAMES[frame].format(kind=KIND_WORD[r.subject], adj=adj, noun=r.noun, np_a=np_a, np_b=np_b,
-                                        np_a_cap=_cap(np_a))
+                                        np_a_cap=capitalised(np_a))
     chain = ([a0] if prefix else []) + [a] + ([b0] if prefix else []) + [b]
     rels = (pre + [r]) * 2
     return _record(w, text, answer, "compare", f"compare:{'>'.join(x.name for x in pre + [r])}", frame, chain, rels)
@@ -151,7 +148,7 @@ def yesno_question(w, spec, rng: random.Random) -> dict | None:
         answer = "yes" if w.facts[a][r.name] == w.facts[b][r.name] else "no"
         text = YESNO_FRAMES[frame].format(np_a=noun_phrase(a0, pre), np_b=noun_phrase(b0, pre), noun=r.noun)
         chain = ([a0] if prefix else []) + [a] + ([b0] if prefix else []) + [b]
-        return _record(w, _cap(text), answer, "yesno", f"same:{'>'.join(x.name for x in pre + [r])}", frame,
+        return _record(w, capitalised(text), answer, "yesno", f"same:{'>'.join(x.name for x in pre + [r])}", frame,
                        chain, (pre + [r]) * 2)
     walked = _walk(w, spec, rng, rng.choice((1, 2)))
     if walked is None:
@@ -164,7 +161,7 @@ def yesno_question(w, spec, rng: random.Random) -> dict | None:
     yes = rng.random() < 0.5
     value = truth if yes else rng.choice(decoys)
     text = YESNO_FRAMES[frame].format(value=value, noun=last.noun, np=noun_phrase(chain[0], rels[:-1]))
-    return _record(w, _cap(text), "yes" if yes else "no", "yesno", ">".join(r.name for r in rels), frame,
+    return _record(w, capitalised(text), "yes" if yes else "no", "yesno", ">".join(r.name for r in rels), frame,
                    chain[:-1], rels)
 
 

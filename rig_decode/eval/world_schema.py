@@ -38,6 +38,11 @@ class Relation:
         return self.object in ENTITY_KINDS
 
 
+def capitalised(text: str) -> str:
+    """``text`` with its first letter upper-case (a sentence that opens with a value or name)."""
+    return text[:1].upper() + text[1:]
+
+
 def doc_id(kind: str, name: str) -> str:
     return f"{kind}:{name.lower().replace(' ', '-')}"
 

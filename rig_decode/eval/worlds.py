@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .world_questions import world_questions
 from .world_schema import (FACT_FRAMES, HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS, INTRO,
-                           QUESTION_FRAMES, RELATION, RELATIONS, ROLES, Relation, doc_id)
+                           QUESTION_FRAMES, RELATION, RELATIONS, ROLES, Relation, capitalised, doc_id)
 
 _TRAIN_RELATIONS = tuple(r.name for r in RELATIONS if r.name not in HELD_OUT_RELATIONS)
 _ALL_RELATIONS = tuple(r.name for r in RELATIONS)
@@ -170,10 +170,6 @@ def build_world(spec: SplitSpec, names: Names, rng: random.Random, u: int) -> Wo
     return w
 
 
-def _cap(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
 def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
     """The entity's document: an introduction, then each fact in one of the split's phrasings."""
     kind = w.kinds[e]
@@ -189,7 +185,7 @@ def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
             frame = rng.choice([f for f in spec.fact_frames if f not in ("two_facts", "whose")] or ["plain"])
             two = False
         slots = {"s": e, "o": o, "pred": rel.pred.format(o=o), "noun": rel.noun,
-                 "inv_cap": _cap(rel.inv.format(s=e, o=o))}
+                 "inv_cap": capitalised(rel.inv.format(s=e, o=o))}
         if two:
             name2, o2 = facts.pop()
             slots["pred2"] = RELATION[name2].pred.format(o=o2)
@@ -201,7 +197,7 @@ def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
             else:
                 other = rng.choice(siblings or others)
                 slots.update(other=other, other_pred=rel.pred.format(o=w.facts[other][name]))
-        sentences.append(_cap(FACT_FRAMES[frame].format(**slots)))
+        sentences.append(capitalised(FACT_FRAMES[frame].format(**slots)))
     return " ".join(sentences)
 
 
