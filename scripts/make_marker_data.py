@@ -6,7 +6,8 @@
 Reads ``corpus.jsonl`` and ``train.jsonl``/``dev.jsonl`` of ``rig synth``'s output, indexes the
 corpus with the configured retriever (default: hybrid over the embedded MiniLM), and writes one
 JSONL of traces per split and marker style (``input_ids``, ``mask``, queries, evidence documents)
-plus ``stats.json``. The test split is never read: its entities stay unseen.
+plus ``stats.json``. The test split is never read, and the test worlds' documents are left out of the
+retriever: their entities, relations and phrasings stay unseen, even as distractors.
 
 ``--conversations`` writes multi-turn traces instead (``{split}-conversations-{variant}.jsonl``, from
 ``conversations-{split}.jsonl``; ``train/conversations.py``): every turn of every conversation,
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
             records = kept
         if retriever is None:
             _, corpus = load_dataset(synth / f"{split}.jsonl")
+            corpus = training_corpus(corpus)
             retriever = build_retriever(RetrieverConfig(), corpus=corpus)
         for variant in args.variants.split(","):
             if args.conversations:
@@ -113,6 +115,17 @@ def main(argv=None) -> int:
     (out / name).write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({"marker_data": stats}))
     return 0
+
+
+def training_corpus(corpus: list) -> list:
+    """The documents a training trace may show: none of a test world (``metadata.split`` starting
+    with ``test``), so no held-out relation, phrasing or entity reaches training even as a
+    distractor in evidence."""
+    kept = [d for d in corpus if not str(d.metadata.get("split", "")).startswith("test")]
+    if len(kept) < len(corpus):
+        print(f"corpus: {len(corpus) - len(kept)} of {len(corpus)} documents belong to test worlds: "
+              "left out of the retriever", file=sys.stderr)
+    return kept
 
 
 def _conversations(args, src: Path, path: Path, tok, retriever, variant: str, cite: bool) -> dict:

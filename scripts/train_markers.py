@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=defaults.rank)
     ap.add_argument("--top-layers", type=float, default=defaults.top_layers,
                     help="fraction of decoder layers (from the top) that get LoRA; below them nothing trains")
+    ap.add_argument("--max-len", type=int, default=defaults.max_len,
+                    help="tokens per trace at most; a longer one is cut (counted): keep it above the longest trace")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model, "
                                      "variant and --top-layers)")
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
     system_prompt = prompts.pop()
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
-                      top_layers=args.top_layers,
+                      top_layers=args.top_layers, max_len=args.max_len,
                       special_markers=variant == "special")
     torch.manual_seed(cfg.seed)
     model, tok = load_base(args.model)
@@ -103,6 +105,9 @@ def main(argv=None) -> int:
         model = PeftModel.from_pretrained(model, args.resume, is_trainable=True)
     else:
         model = wrap_lora(model, cfg, added or None)
+    if cut := sum(len(t["input_ids"]) > cfg.max_len for t in traces):
+        print(f"[train] {cut} of {len(traces)} traces are longer than --max-len {cfg.max_len}: their ends (answers "
+              "included) are cut", file=sys.stderr)
     print(f"[train] {len(traces)} traces, {sum(p.numel() for p in model.parameters() if p.requires_grad):,} "
           f"trainable parameters, {cfg.steps} steps", file=sys.stderr)
 

@@ -7,7 +7,7 @@ pytest.importorskip("peft")
 
 from rig_decode.engine import EngineOptions, RigEngine  # noqa: E402
 from rig_decode.eval.synth import generate  # noqa: E402
-from rig_decode.retrieval.base import Document  # noqa: E402
+from rig_decode.retrieval.base import Document, Hit  # noqa: E402
 from rig_decode.retrieval.dense import Embedder  # noqa: E402
 from rig_decode.retrieval.hybrid import IndexRetriever  # noqa: E402
 from rig_decode.retrieval.ingest import Chunking, build_index  # noqa: E402
@@ -264,3 +264,38 @@ def test_a_run_stopped_midway_continues_from_its_checkpoint_to_the_same_result(w
         assert torch.allclose(a, b, atol=1e-6), n
     with pytest.raises(ValueError, match="checkpoint of another run"):
         train(fresh(), traces[:-1], tok.pad_token_id, cfg, checkpoint=tmp_path, checkpoint_every=5)
+
+
+class _Fixed:
+    """A stand-in retriever: fixed hits per query."""
+
+    def __init__(self, hits: dict):
+        self.hits = hits
+
+    def search_batch(self, queries, top_k, filters=None):
+        return [list(self.hits[q][:top_k]) for q in queries]
+
+
+def test_a_query_is_taught_only_when_its_evidence_shows_the_document_and_the_answer():
+    """Real paragraphs are long: a hit past the evidence budget is cut or left out of the block, and
+    a trace must not teach an answer its evidence does not show."""
+    filler = Hit("filler", "lorem ipsum " * 200, 2.0, "Filler")
+    gold = Hit("gold", "Zed Works was founded by Ana Quell in a small town.", 1.0, "Zed Works")
+    cut = Hit("gold", "Zed Works is a firm. " * 60 + "It was founded by Ana Quell.", 1.0, "Zed Works")
+    rec = {"id": "q", "question": "Who founded Zed Works?", "answer": "Ana Quell", "hops": 1, "kind": "chain",
+           "plan": [{"entity": "Zed Works", "doc": "gold", "queries": ["buried", "first"]}]}
+
+    def build(hits, seed=0):
+        builder = TraceBuilder(tiny_tokenizer(), _Fixed(hits), "text", evidence_budget=96, p_misleading=0.0,
+                               p_empty=0.0, seed=seed)
+        return builder, builder.build(rec)
+
+    for seed in range(4):  # whichever phrasing is tried first, the one whose block shows the gold document
+        _, trace = build({"buried": [filler, gold], "first": [gold, filler]}, seed)
+        assert trace.queries == ["first"] and trace.evidence_docs[0][0] == "gold"
+    builder, trace = build({"buried": [filler, gold], "first": [filler, gold]})
+    assert trace is None and builder.stats.skipped == 1
+    builder, trace = build({"buried": [cut], "first": [cut]})  # shown, but cut before the answer
+    assert trace is None and builder.stats.skipped == 1
+    _, trace = build({"buried": [cut], "first": [gold]})
+    assert trace.queries == ["first"]

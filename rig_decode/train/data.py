@@ -18,8 +18,9 @@ Variations the model has to learn:
 * re-query after an empty result: the decoder's no-evidence block (what a failed or empty search
   splices), then the query again in other words.
 
-A question whose precise queries never find the needed document is skipped (and counted), so no
-trace teaches an answer that its evidence does not support.
+A question whose precise queries never bring the needed document into the rendered evidence (a
+long paragraph can be cut by the evidence budget; on a chain's last hop the answer must be in what
+is shown) is skipped and counted, so no trace teaches an answer that its evidence does not support.
 
 What the model writes (queries, answers) starts with a space (``spoken``), so names copied from
 evidence keep the tokens they have there.
@@ -141,6 +142,15 @@ class TraceBuilder:
     def _search(self, query: str) -> list:
         return list(self.retriever.search_batch([query], self.top_k)[0])
 
+    def _shows(self, hits: list, gold: str, numbered: dict[str, int], answer: str | None) -> bool:
+        """Whether the block these hits render to shows the gold document (a long paragraph past
+        the evidence budget is cut or left out) and, where given, the answer in its shown text."""
+        if gold not in {x.doc_id for x in hits}:
+            return False
+        block = self.formatter.render_block(hits, 1, numbers=number_hits(hits, numbered))
+        shown = dict(zip(block.doc_ids, block.shown))
+        return gold in shown and (answer is None or answer.lower() in shown[gold].lower())
+
     def build(self, q: dict) -> Trace | None:
         """One question (a synthetic record) -> its trace, or None when it cannot be supported."""
         prompt = build_prompt(self.tok, q["question"], self.spec, self.system)
@@ -167,7 +177,8 @@ class TraceBuilder:
             trace.kind = "no_retrieval"
         else:
             hop = 0
-            for h, (entity, gold, phrasings) in enumerate(hop_plan(q)):
+            plan = hop_plan(q)
+            for h, (entity, gold, phrasings) in enumerate(plan):
                 if h == 0 and self.rng.random() < self.p_misleading:
                     vague = entity.split()[0]
                     hits = self._search(vague)
@@ -184,9 +195,10 @@ class TraceBuilder:
                     trace.queries.append(first)
                     splice([], hop)  # the decoder's block for a failed or empty search
                     trace.kind = "empty_requery"
+                answer = q["answer"] if q.get("kind") == "chain" and h == len(plan) - 1 else None
                 for query in self.rng.sample(phrasings, len(phrasings)):
                     hits = self._search(query)
-                    if gold in {x.doc_id for x in hits}:
+                    if self._shows(hits, gold, numbered, answer):
                         break
                 else:
                     self.stats.skipped += 1

@@ -40,7 +40,7 @@ class TrainConfig:
     special_markers: bool = True
     seed: int = 0
     log_every: int = 10
-    max_len: int = 1024
+    max_len: int = 1536
     top_layers: float = 0.5
     """The fraction of decoder layers, counted from the top, that get LoRA; the layers below stay
     frozen and backpropagation stops above them (0.5 makes a CPU step about a third cheaper). The
