@@ -183,7 +183,10 @@ def cmd_synth(args) -> int:
     else:
         from .eval.synth import write
 
-    counts = write(args.out, seed=args.seed, scale=args.scale)
+    if args.extra_phrasings and args.generator != "wide":
+        raise SystemExit("rig synth: --extra-phrasings needs --generator wide")
+    extra = {"extra_phrasings": True} if args.extra_phrasings else {}
+    counts = write(args.out, seed=args.seed, scale=args.scale, **extra)
     print(json.dumps(counts))
     return 0
 
@@ -321,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--generator", choices=("products", "wide"), default="products",
                      help="products: five relations over products, makers, founders, cities, countries; wide: 40 "
                           "relations over nine kinds with transfer splits (unseen entities, phrasings, relations)")
+    syn.add_argument("--extra-phrasings", action="store_true",
+                     help="wide: the train and dev worlds also use the training-only fact and question phrasings "
+                          "(more training data; the test worlds are then no benchmark: use --held-out on them)")
     syn.set_defaults(func=cmd_synth)
 
     index = sub.add_parser("index", help="build, update and inspect retrieval indexes")

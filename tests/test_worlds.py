@@ -8,8 +8,9 @@ import re
 import pytest
 
 from rig_decode.eval.world_questions import COMPARE_FRAMES, HELD_OUT_COMPARE, HELD_OUT_YESNO, YESNO_FRAMES
-from rig_decode.eval.world_schema import (ENTITY_KINDS, FACT_FRAMES, HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES,
-                                          HELD_OUT_RELATIONS, QUESTION_FRAMES, RELATIONS)
+from rig_decode.eval.world_schema import (ENTITY_KINDS, EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES,
+                                          HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS,
+                                          QUESTION_FRAMES, RELATIONS)
 from rig_decode.eval.worlds import SPLITS, generate, write
 
 
@@ -115,3 +116,27 @@ def test_the_same_seed_writes_the_same_files(tmp_path):
     for name in ("corpus.jsonl", "train.jsonl", "test_mixed.jsonl"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     assert json.loads((a / "test.jsonl").read_text().splitlines()[0])["id"].startswith("test-")
+
+
+def test_extra_phrasings_widen_only_the_training_worlds():
+    """``--extra-phrasings`` adds training-only fact and question phrasings to the train and dev
+    worlds; no held-out phrasing reaches them and the test worlds get none of the extra ones."""
+    corpus, splits = generate(seed=5, scale=0.5, extra_phrasings=True)
+    docs = {d["id"]: d for d in corpus}
+    train_docs = [d["text"] for d in docs.values() if d["metadata"]["split"] in ("train", "dev")]
+    test_docs = [d["text"] for d in docs.values() if d["metadata"]["split"].startswith("test")]
+    extra = {f: re.compile("^" + re.sub(r"\\\{\w+\\\}", ".+?", re.escape(t)) + "$", re.I)
+             for f, t in EXTRA_FACT_FRAMES.items()}
+
+    def shown(texts):  # the extra frames whose sentences these documents hold
+        sentences = [x for t in texts for x in re.split(r"(?<=\.) ", t)]
+        return {f for f, p in extra.items() if any(p.match(x) for x in sentences)}
+
+    assert shown(train_docs) == set(EXTRA_FACT_FRAMES) and not shown(test_docs)
+    for frame in ("It is", "whose", "'s "):  # cleft, apposition, possessive frames
+        assert not any(frame in t for t in train_docs), frame
+    train_frames = {q["frame"] for q in splits["train"] + splits["dev"]}
+    assert train_frames >= set(EXTRA_QUESTION_FRAMES)
+    assert not train_frames & {*HELD_OUT_QUESTION_FRAMES, *HELD_OUT_COMPARE, *HELD_OUT_YESNO}
+    assert not {q["frame"] for name in splits if name.startswith("test") for q in splits[name]} & set(EXTRA_QUESTION_FRAMES)
+    assert not set(EXTRA_FACT_FRAMES) & set(FACT_FRAMES) and not set(EXTRA_QUESTION_FRAMES) & set(QUESTION_FRAMES)

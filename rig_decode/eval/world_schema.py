@@ -159,6 +159,18 @@ FACT_FRAMES = {
 }
 HELD_OUT_FACT_FRAMES = ("possessive", "inverse", "whose", "cleft")
 
+# More phrasings for training worlds only (``rig synth --generator wide --extra-phrasings``): a
+# reader taught on six frames learns those six sentences; more ways of stating a fact teach reading
+# (none is a held-out frame or shares its wording: no "It is", "whose" or "'s").
+EXTRA_FACT_FRAMES = {
+    "serves_as": "{o} serves as the {noun} of {s}.",
+    "as_for": "As for {s}, its {noun} is {o}.",
+    "listed": "Records list {o} as the {noun} of {s}.",
+    "dash": "{s} - {noun}: {o}.",
+    "has_as": "{s} has {o} as {noun}.",
+    "would_be": "The {noun} of {s}? That would be {o}.",
+}
+
 # Question phrasings over a noun phrase {np} ("the founder of Korath Labs") and the last relation.
 QUESTION_FRAMES = {
     "what_is": "What is the {noun} of {np}?",
@@ -172,6 +184,15 @@ QUESTION_FRAMES = {
     "need": "I need the {noun} of {np}, please.",
 }
 HELD_OUT_QUESTION_FRAMES = ("do_you_know", "possessive", "find_out", "need")
+EXTRA_QUESTION_FRAMES = {
+    "whats": "What's the {noun} of {np}?",
+    "name_the": "Name the {noun} of {np}.",
+    "looking_for": "I'm looking for the {noun} of {np}.",
+    "please_tell": "Please tell me the {noun} of {np}.",
+    "who_or_what_is": "Who or what is the {noun} of {np}?",
+    "question_last": "The {noun} of {np} is what?",
+}
+"""Question phrasings for training worlds only, like ``EXTRA_FACT_FRAMES``."""
 
 KIND_WORD = {"person": "person", "company": "company", "product": "product", "city": "city", "country": "country",
              "project": "project", "work": "book", "event": "event", "institution": "institution",

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .world_questions import world_questions
-from .world_schema import (FACT_FRAMES, HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS, INTRO,
-                           QUESTION_FRAMES, RELATION, RELATIONS, ROLES, Relation, capitalised, doc_id)
+from .world_schema import (EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES, HELD_OUT_FACT_FRAMES,
+                           HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS, INTRO, QUESTION_FRAMES, RELATION, RELATIONS,
+                           ROLES, Relation, capitalised, doc_id)
 
 _TRAIN_RELATIONS = tuple(r.name for r in RELATIONS if r.name not in HELD_OUT_RELATIONS)
 _ALL_RELATIONS = tuple(r.name for r in RELATIONS)
@@ -197,16 +198,22 @@ def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
             else:
                 other = rng.choice(siblings or others)
                 slots.update(other=other, other_pred=rel.pred.format(o=w.facts[other][name]))
-        sentences.append(capitalised(FACT_FRAMES[frame].format(**slots)))
+        sentences.append(capitalised((FACT_FRAMES | EXTRA_FACT_FRAMES)[frame].format(**slots)))
     return " ".join(sentences)
 
 
-def generate(seed: int = 0, scale: float = 1.0) -> tuple[list[dict], dict[str, list[dict]]]:
-    """(corpus documents, questions per split); ``scale`` multiplies world sizes and counts."""
+def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(corpus documents, questions per split); ``scale`` multiplies world sizes and counts.
+    ``extra_phrasings`` gives the train and dev worlds the training-only phrasings too
+    (``EXTRA_*_FRAMES``); the test worlds' phrasings stay as they are (their worlds, drawn from the
+    same random stream, differ: such a run adds training data, it is no benchmark)."""
     rng = random.Random(seed)
     names = Names(rng)
     corpus, splits = [], {}
     for spec in SPLITS:
+        if extra_phrasings and not spec.name.startswith("test"):
+            spec = replace(spec, fact_frames=spec.fact_frames + tuple(EXTRA_FACT_FRAMES),
+                           question_frames=spec.question_frames + tuple(EXTRA_QUESTION_FRAMES))
         u = max(1, round(spec.units * scale))
         w = build_world(spec, names, rng, u)
         corpus += list(w.docs.values())
@@ -215,11 +222,11 @@ def generate(seed: int = 0, scale: float = 1.0) -> tuple[list[dict], dict[str, l
     return corpus, splits
 
 
-def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0) -> dict[str, int]:
+def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -> dict[str, int]:
     """Write ``corpus.jsonl`` and one ``<split>.jsonl`` per split (the eval dataset format)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus, splits = generate(seed, scale)
+    corpus, splits = generate(seed, scale, extra_phrasings)
     counts = {"documents": len(corpus)}
     with (out / "corpus.jsonl").open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in corpus)
