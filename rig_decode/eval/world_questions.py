@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import random
 
-from .world_schema import (ARITHMETIC, COMMON, EXTRA_QUESTION_FRAMES, KIND_WORD, QUESTION_FRAMES, RELATION, Relation,
-                           capitalised, doc_id)
+from .world_schema import (ARITHMETIC, COMMON, EVERY_QUESTION_FRAME, KIND_WORD, RELATION, Relation, capitalised,
+                           doc_id)
 
 COMPARE_FRAMES = {
     "which_kind": "Which {kind} has the {adj} {noun}, {np_a} or {np_b}?",
@@ -81,7 +81,7 @@ def chain_question(w, spec, rng: random.Random, hops: int) -> dict | None:
     last = rels[-1]
     frame = rng.choice(spec.question_frames)
     np = noun_phrase(chain[0], rels[:-1])
-    text = (QUESTION_FRAMES | EXTRA_QUESTION_FRAMES)[frame].format(noun=last.noun, np=np, kind=KIND_WORD[last.object],
+    text = EVERY_QUESTION_FRAME[frame].format(noun=last.noun, np=np, kind=KIND_WORD[last.object],
                                          wh=last.wh.format(x=np), np_poss=_poss(noun_phrase(chain[0], rels[:-1], True)))
     return _record(w, capitalised(text), chain[-1], "chain", ">".join(r.name for r in rels), frame, chain[:-1], rels)
 

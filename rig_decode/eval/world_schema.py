@@ -193,6 +193,9 @@ EXTRA_QUESTION_FRAMES = {
     "question_last": "The {noun} of {np} is what?",
 }
 """Question phrasings for training worlds only, like ``EXTRA_FACT_FRAMES``."""
+EVERY_FACT_FRAME = FACT_FRAMES | EXTRA_FACT_FRAMES
+EVERY_QUESTION_FRAME = QUESTION_FRAMES | EXTRA_QUESTION_FRAMES
+"""Each phrasing's template by name, the benchmark's and the training-only ones."""
 
 KIND_WORD = {"person": "person", "company": "company", "product": "product", "city": "city", "country": "country",
              "project": "project", "work": "book", "event": "event", "institution": "institution",

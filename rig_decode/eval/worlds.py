@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .world_questions import world_questions
-from .world_schema import (EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES, HELD_OUT_FACT_FRAMES,
-                           HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS, INTRO, QUESTION_FRAMES, RELATION, RELATIONS,
-                           ROLES, Relation, capitalised, doc_id)
+from .world_schema import (EVERY_FACT_FRAME, EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES,
+                           HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS, INTRO, QUESTION_FRAMES,
+                           RELATION, RELATIONS, ROLES, Relation, capitalised, doc_id)
 
 _TRAIN_RELATIONS = tuple(r.name for r in RELATIONS if r.name not in HELD_OUT_RELATIONS)
 _ALL_RELATIONS = tuple(r.name for r in RELATIONS)
@@ -198,7 +198,7 @@ def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
             else:
                 other = rng.choice(siblings or others)
                 slots.update(other=other, other_pred=rel.pred.format(o=w.facts[other][name]))
-        sentences.append(capitalised((FACT_FRAMES | EXTRA_FACT_FRAMES)[frame].format(**slots)))
+        sentences.append(capitalised(EVERY_FACT_FRAME[frame].format(**slots)))
     return " ".join(sentences)
 
 

@@ -142,12 +142,10 @@ class TraceBuilder:
     def _search(self, query: str) -> list:
         return list(self.retriever.search_batch([query], self.top_k)[0])
 
-    def _shows(self, hits: list, gold: str, numbered: dict[str, int], answer: str | None) -> bool:
-        """Whether the block these hits render to shows the gold document (a long paragraph past
-        the evidence budget is cut or left out) and, where given, the answer in its shown text."""
-        if gold not in {x.doc_id for x in hits}:
-            return False
-        block = self.formatter.render_block(hits, 1, numbers=number_hits(hits, numbered))
+    @staticmethod
+    def _shows(block, gold: str, answer: str | None) -> bool:
+        """Whether a rendered block shows the gold document (a long paragraph past the evidence
+        budget is cut or left out) and, where given, the answer in its shown text."""
         shown = dict(zip(block.doc_ids, block.shown))
         return gold in shown and (answer is None or answer.lower() in shown[gold].lower())
 
@@ -165,9 +163,12 @@ class TraceBuilder:
             ids.extend(t)
             mask.extend([1] * len(t))
 
-        def splice(hits: list, hop: int) -> None:
+        def render(hits: list, hop: int):  # the block the engine would splice, numbered as it numbers
             numbers = number_hits(hits, numbered)
-            block = self.formatter.render_block(hits, hop, numbers=numbers)
+            return self.formatter.render_block(hits, hop, numbers=numbers), numbers
+
+        def splice(rendered) -> None:
+            block, numbers = rendered
             numbered.update(zip(block.doc_ids, numbers))
             ids.extend(block.token_ids)
             mask.extend([0] * len(block.token_ids))
@@ -186,19 +187,20 @@ class TraceBuilder:
                         hop += 1
                         write(self.spec.render(spoken(vague)))
                         trace.queries.append(vague)
-                        splice(hits, hop)
+                        splice(render(hits, hop))
                         trace.kind = "misleading_requery"
                 elif self.rng.random() < self.p_empty:
                     hop += 1
                     first = self.rng.choice(phrasings)
                     write(self.spec.render(spoken(first)))
                     trace.queries.append(first)
-                    splice([], hop)  # the decoder's block for a failed or empty search
+                    splice(render([], hop))  # the decoder's block for a failed or empty search
                     trace.kind = "empty_requery"
                 answer = q["answer"] if q.get("kind") == "chain" and h == len(plan) - 1 else None
                 for query in self.rng.sample(phrasings, len(phrasings)):
                     hits = self._search(query)
-                    if self._shows(hits, gold, numbered, answer):
+                    rendered = render(hits, hop + 1) if gold in {x.doc_id for x in hits} else None
+                    if rendered and self._shows(rendered[0], gold, answer):
                         break
                 else:
                     self.stats.skipped += 1
@@ -206,7 +208,7 @@ class TraceBuilder:
                 hop += 1
                 write(self.spec.render(spoken(query)))
                 trace.queries.append(query)
-                splice(hits, hop)
+                splice(rendered)
         write(spoken(q["answer"]))
         ids.append(self.eos)
         mask.append(1)
