@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from rig_decode.config import ModelConfig
 from rig_decode.engine.runner_hf import new_cache
+from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 
 SETUPS = ("dynamic", "buffered", "packed")
@@ -41,12 +42,12 @@ def measure(model, batch: int, context: int, steps: int, buffered: bool) -> tupl
     cache = new_cache(model.config) if buffered else DynamicCache(config=model.config)
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen)
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
     times, logits = [], []
     for i in range(steps):
         step_ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
         t0 = time.perf_counter()
-        out = model(input_ids=step_ids, position_ids=torch.full((batch, 1), context + i), cache=cache,
+        out = model(input_ids=step_ids, position_ids=torch.full((batch, 1), context + i), **cache_kw(cache),
                     use_cache=True, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
         logits.append(out.logits)

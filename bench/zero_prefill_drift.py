@@ -23,6 +23,7 @@ from rig_decode.config import ModelConfig
 from rig_decode.engine.runner_hf import new_cache
 from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.markers import MarkerSpec
+from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import build_prompt
 
@@ -33,7 +34,7 @@ EVIDENCE = "[1] Lumora K7: The Lumora K7 is made by Vastrel.\n"
 @torch.no_grad()
 def kv_of(model, ids: list[int]):
     cache = new_cache(model.config)
-    model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    model(input_ids=torch.tensor([ids]), **cache_kw(cache), use_cache=True)
     return cache.layers
 
 

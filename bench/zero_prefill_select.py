@@ -79,6 +79,7 @@ from rig_decode.evidence import EvidenceFormatter
 from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.kernels.chunk_kv import ChunkKVStore, value_deviation
 from rig_decode.markers import MarkerSpec
+from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT, build_prompt
 from rig_decode.retrieval.base import Hit
@@ -158,7 +159,7 @@ def _cache(config, kv):
 def _forward(model, ids, positions, cache, mask=None):
     """Logits of each fed token; ``mask``: boolean ``[queries, columns]`` over the cache with the new
     tokens appended, or None for plain causal attention."""
-    kwargs = dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), cache=cache, use_cache=True)
+    kwargs = dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), **cache_kw(cache), use_cache=True)
     if mask is None:
         return model(**kwargs).logits[0].float()
     with _attention_implementation(model.config, MASKED):

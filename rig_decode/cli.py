@@ -17,6 +17,9 @@ DEMO_QUESTIONS = "demo_questions.json"
 def _quiet_hf() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # --backend vllm: no per-start config dump, and nothing of vLLM's on stdout (the answer, --json)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -69,8 +72,8 @@ def _print_hops(trace, out=sys.stdout) -> None:
 def cmd_ask(args) -> int:
     if not args.question.strip():
         raise ValueError("empty question")
-    session = _session(args)
-    answer, trace = session.ask(args.question)
+    with _session(args) as session:
+        answer, trace = session.ask(args.question)
     if args.json:
         print(json.dumps({"answer": answer, "trace": trace.to_dict()}, ensure_ascii=False))
     else:
@@ -81,10 +84,10 @@ def cmd_ask(args) -> int:
 
 def cmd_demo(args) -> int:
     questions = json.loads((resources.files("rig_decode") / "data" / DEMO_QUESTIONS).read_text())
-    session = _session(args)
-    print(f"Demo knowledge base: Helios Gateway changelogs, release approvals, contracts "
-          f"({len(session.retriever.docs)} documents).\n")
-    results = session.ask_batch([q["question"] for q in questions])
+    with _session(args) as session:
+        print(f"Demo knowledge base: Helios Gateway changelogs, release approvals, contracts "
+              f"({len(session.retriever.docs)} documents).\n")
+        results = session.ask_batch([q["question"] for q in questions])
     for q, (answer, trace) in zip(questions, results):
         print(f"Q: {q['question']}")
         print(f"A: {answer}")
@@ -276,16 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-tokens", type=int, help="tokens to generate (overrides model.max_tokens)")
         sp.add_argument("--show-markers", action="store_true", help="keep marker and evidence text in the answer")
 
+    def backend(sp):
+        sp.add_argument("--backend", choices=["hf", "remote", "vllm"],
+                        help="where the model runs (overrides engine.backend)")
+        sp.add_argument("--base-url", help="the completion server of --backend remote (engine.remote.base_url)")
+
     ask = sub.add_parser("ask", help="answer one question, retrieving as the model asks")
     ask.add_argument("question")
     ask.add_argument("--json", action="store_true", help='print one JSON object {"answer", "trace"}')
-    ask.add_argument("--backend", choices=["hf", "remote", "vllm"],
-                     help="where the model runs (overrides engine.backend)")
-    ask.add_argument("--base-url", help="the completion server of --backend remote (engine.remote.base_url)")
+    backend(ask)
     common(ask)
     ask.set_defaults(func=cmd_ask)
 
     demo = sub.add_parser("demo", help="answer the demo's multi-hop questions over the bundled knowledge base")
+    backend(demo)
     common(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -356,9 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML config")
     serve.add_argument("--host", help="default: server.host (127.0.0.1)")
     serve.add_argument("--port", type=int, help="default: server.port (8000)")
-    serve.add_argument("--backend", choices=["hf", "remote", "vllm"],
-                       help="where the model runs (overrides engine.backend)")
-    serve.add_argument("--base-url", help="the completion server of --backend remote (engine.remote.base_url)")
+    backend(serve)
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="manage embedded models")

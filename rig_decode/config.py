@@ -184,8 +184,17 @@ class VllmConfig(_Section):
     max_model_len: int = Field(8192, ge=16)
     """Tokens a row may hold: prompt, generation and every hop's evidence."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    enforce_eager: bool = False
-    """Skip CUDA-graph capture: faster start, slower decode."""
+    """On a GPU: the share of its memory vLLM takes (weights, activations, KV cache)."""
+    kv_cache_gib: float | None = Field(None, gt=0.0)
+    """KV-cache memory in GiB. null: on a CPU ``vllm_api.CPU_KV_CACHE_GIB`` (vLLM's CPU build otherwise reserves
+    ``gpu_memory_utilization`` of the host's RAM and refuses to start when that much is not free), on a
+    GPU whatever ``gpu_memory_utilization`` leaves."""
+    enforce_eager: bool | None = None
+    """Skip graph capture and compilation: faster start, slower decode. null: eager on a CPU (where
+    compiling costs about a minute and a half before the first token), graphs on a GPU."""
+    block_size: int | None = Field(None, ge=1)
+    """Tokens per KV block (the prefix cache reuses whole blocks). null: the platform's default
+    (128 on vLLM's CPU build, 16 on CUDA)."""
     top_logprobs: int = Field(20, ge=1, le=100)
     """Top log-probabilities per position: what the engine's masks and sampling choose among."""
     lookahead: int = Field(16, ge=1, le=512)
@@ -296,10 +305,11 @@ class RigConfig(_Section):
         return cls.from_dict(data, source=str(path))
 
     def served_model(self) -> ModelConfig:
-        """``model`` as the backend runs it: a remote server or vLLM loads its own weights, so there
-        ``adapter: auto`` means none (an adapter folder named explicitly still gives the tokenizer
-        and prompt, for a model with the adapter merged in)."""
-        if self.engine.backend in ("remote", "vllm") and self.model.adapter == "auto":
+        """``model`` as the backend runs it. A remote server loads its own weights, so there
+        ``adapter: auto`` means none (an adapter folder named explicitly still gives the tokenizer and
+        prompt, for a model with the adapter merged in). vLLM serves the adapter merged into a
+        checkpoint of its own (``models/merged.py``), so it keeps ``model`` as it is."""
+        if self.engine.backend == "remote" and self.model.adapter == "auto":
             return self.model.model_copy(update={"adapter": None})
         return self.model
 

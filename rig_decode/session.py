@@ -142,7 +142,14 @@ class RigSession:
         return self.tokenizer.decode(ids, skip_special_tokens=False).strip()
 
     def close(self) -> None:
+        """Stop the retrieval worker and the runner (vLLM's engine with it); idempotent."""
         self.engine.close()
+
+    def __enter__(self) -> "RigSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Conversation:

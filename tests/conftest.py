@@ -19,6 +19,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model's matmuls gain nothing from a second thread and, on a busy machine, wait for
+    it; modules that run many tiny-model decodes use this with `pytestmark`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tok():
     return tiny_tokenizer()

@@ -1,8 +1,8 @@
 """The remote backend against a real llama.cpp ``llama-server`` serving the embedded default model.
 
-Opt-in (building llama.cpp takes a while on CPU): set ``RIG_LLAMA_SERVER`` to a ``llama-server``
-binary and ``RIG_LLAMA_CONVERT`` to llama.cpp's ``convert_hf_to_gguf.py`` (which needs
-``sentencepiece`` installed). The model is converted
+``scripts/test.sh`` builds ``llama-server`` (``scripts/build_llama.sh``, cached under build/) and sets
+``RIG_LLAMA_SERVER`` to it and ``RIG_LLAMA_CONVERT`` to llama.cpp's ``convert_hf_to_gguf.py``;
+without them the module is skipped. The model is converted
 to an F32 GGUF from the same safetensors the in-process backend loads, so both compute with the
 same weights in float32. The test starts and stops the server itself.
 """

@@ -17,7 +17,7 @@ import torch
 
 from rig_decode.config import ConfigError, RigConfig
 from rig_decode.engine.runner_vllm import VllmRunner, vllm_runner
-from rig_decode.engine.vllm_api import LOGITS_PROCESSOR, VllmMissingError, engine_args_kwargs, load_vllm_api
+from rig_decode.engine.vllm_api import CPU_KV_CACHE_GIB, LOGITS_PROCESSOR, VllmMissingError, engine_args_kwargs, load_vllm_api
 from rig_decode.engine.vllm_logits import EXTRA_ARGS_KEY, MarkerLogitsState, MarkerRules
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
@@ -31,13 +31,7 @@ OPTIONS = {"plain": {}, "first-hop-and-cap": {"retrieve_first": True, "max_query
 _LOCAL: dict[str, list] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's matmuls gain nothing from a second thread and, on a busy machine, wait for it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _local(model, tok, script, name):
@@ -247,9 +241,9 @@ def test_vllm_samples_under_the_processor_but_reports_raw_logprobs(model, tok):
 def test_vllm_backend_config():
     cfg = RigConfig.from_dict({"engine": {"backend": "vllm"}})
     v = cfg.engine.vllm
-    assert (v.mode, v.max_model_len, v.gpu_memory_utilization, v.enforce_eager, v.top_logprobs, v.lookahead,
-            v.logits_processor) == ("auto", 8192, 0.9, False, 20, 16, False)
-    assert cfg.served_model().adapter is None
+    assert (v.mode, v.max_model_len, v.gpu_memory_utilization, v.kv_cache_gib, v.enforce_eager, v.block_size,
+            v.top_logprobs, v.lookahead, v.logits_processor) == ("auto", 8192, 0.9, None, None, None, 20, 16, False)
+    assert cfg.served_model().adapter == "auto"  # served merged into a checkpoint of vLLM's (models/merged.py)
     for bad, expected in [
         ({"engine": {"backend": "vllm"}, "rig": {"append_format": "summary"}}, "which vLLM does not expose"),
         ({"engine": {"backend": "vllm", "zero_prefill": {"enabled": True}}}, "which vLLM does not expose"),
@@ -258,6 +252,8 @@ def test_vllm_backend_config():
         ({"engine": {"vllm": {"mode": "paged"}}}, "engine.vllm.mode"),
         ({"engine": {"vllm": {"gpu_memory_utilization": 1.5}}}, "engine.vllm.gpu_memory_utilization"),
         ({"engine": {"vllm": {"top_logprobs": 0}}}, "engine.vllm.top_logprobs"),
+        ({"engine": {"vllm": {"kv_cache_gib": 0}}}, "engine.vllm.kv_cache_gib"),
+        ({"engine": {"vllm": {"block_size": 0}}}, "engine.vllm.block_size"),
         ({"engine": {"vllm": {"swap_space": 4}}}, "engine.vllm.swap_space: unknown key"),
         ({"engine": {"backend": "tensorrt"}}, "engine.backend"),
     ]:
@@ -271,7 +267,8 @@ def test_engine_args_from_the_config():
                                "engine": {"backend": "vllm", "vllm": {"max_model_len": 4096, "top_logprobs": 50,
                                                                       "enforce_eager": True,
                                                                       "logits_processor": True}}})
-    kwargs = engine_args_kwargs(cfg)
+    cuda = SimpleNamespace(version="x", quantization_methods=None, device="cuda")
+    kwargs = engine_args_kwargs(cfg, cuda)
     assert kwargs == {"model": "Qwen/Qwen2.5-32B-Instruct", "dtype": "bfloat16", "max_model_len": 4096,
                       "gpu_memory_utilization": 0.9, "enforce_eager": True, "enable_prefix_caching": True,
                       "seed": 7, "max_logprobs": 50, "quantization": "bitsandbytes",
@@ -279,12 +276,30 @@ def test_engine_args_from_the_config():
     module, name = LOGITS_PROCESSOR.split(":")
     assert module == "rig_decode.engine.vllm_logits" and name == "RigMarkerLogitsProcessor"
     # a vLLM that lists bitsandbytes takes the same arguments; one without it (0.33.0) refuses nf4 up front
-    with_bnb = SimpleNamespace(version="x", quantization_methods=("awq", "bitsandbytes"))
+    with_bnb = SimpleNamespace(version="x", quantization_methods=("awq", "bitsandbytes"), device="cuda")
     assert engine_args_kwargs(cfg, with_bnb) == kwargs
-    without = SimpleNamespace(version="0.33.0", quantization_methods=("awq", "gptq", "fp8"))
+    without = SimpleNamespace(version="0.33.0", quantization_methods=("awq", "gptq", "fp8"), device="cuda")
     with pytest.raises(ValueError, match="nf4 loads with vLLM's bitsandbytes quantization, which vLLM 0.33.0"):
         engine_args_kwargs(cfg, without)
     assert "quantization" not in engine_args_kwargs(cfg.updated(model={"quantization": "none"}), without)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_engine_args_default_to_the_in_process_dtype_and_on_a_cpu_to_eager_and_a_fixed_kv_space(device):
+    api = SimpleNamespace(version="x", quantization_methods=None, device=device)
+    cfg = RigConfig.from_dict({"model": {"name": "org/m"}, "engine": {"backend": "vllm"}})
+    kwargs = engine_args_kwargs(cfg, api)
+    on_cpu = device == "cpu"
+    # model.dtype auto is what loader.resolve_dtype picks in process: fp32 on a CPU, bf16 on CUDA
+    assert kwargs["dtype"] == ("float32" if on_cpu else "bfloat16")
+    assert kwargs["enforce_eager"] is on_cpu
+    assert kwargs.get("kv_cache_memory_bytes") == (int(CPU_KV_CACHE_GIB * 2**30) if on_cpu else None)
+    assert "block_size" not in kwargs
+    set_ = cfg.updated(model={"dtype": "bfloat16"},
+                       engine={"vllm": {"kv_cache_gib": 0.5, "enforce_eager": False, "block_size": 16}})
+    kwargs = engine_args_kwargs(set_, api)
+    assert (kwargs["dtype"], kwargs["enforce_eager"], kwargs["kv_cache_memory_bytes"], kwargs["block_size"]) == (
+        "bfloat16", False, 2**29, 16)
 
 
 def test_nf4_on_a_vllm_without_bitsandbytes_fails_before_any_thread_starts(model, tok, monkeypatch):
@@ -316,7 +331,7 @@ def test_the_logits_processor_needs_single_token_markers(model, tok, tok_special
 
 def test_without_vllm_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(VllmMissingError, match=r"pip install 'rig_decode\[vllm\]'"):
+    with pytest.raises(VllmMissingError, match=r"\./scripts/setup\.sh --vllm installs it"):
         load_vllm_api()
     from rig_decode import RigSession
 
@@ -338,7 +353,7 @@ def test_rig_ask_without_vllm_says_what_to_install():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rig: error: engine.backend: vllm needs vLLM" in proc.stderr
-    assert "pip install 'rig_decode[vllm]'" in proc.stderr
+    assert "./scripts/setup.sh --vllm installs it" in proc.stderr
 
 
 # -- bench/vllm_gpu.py --------------------------------------------------------------------------------

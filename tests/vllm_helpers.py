@@ -38,6 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from rig_decode.engine.vllm_api import VllmApi
+from rig_decode.models.cache_arg import cache_kw
 
 from .remote_helpers import _common_prefix
 
@@ -134,6 +135,8 @@ class AsyncEngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int | None = None
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     seed: int | None = 0
@@ -181,7 +184,7 @@ class FakeAsyncLLM:
                                  finished=True):
             yield out
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self.shut_down = True
 
     # -- sessions -----------------------------------------------------------------------------------
@@ -266,7 +269,7 @@ class FakeAsyncLLM:
 
     @torch.no_grad()
     def _forward(self, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=torch.tensor([ids]), **cache_kw(cache), use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     def _decode(self, cache, feed: list[int], context: list[int], sp: SamplingParams):

@@ -70,6 +70,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..kernels import RopeSpec, rope_of, rope_shift_layers_, to_device
 from ..kernels.chunk_kv import value_deviation
 from ..kernels.rope import decoder_of
+from ..models.cache_arg import cache_kw
 
 PACKED_ATTENTION = "rig_packed"
 
@@ -453,7 +454,7 @@ class HFModelRunner:
                 layer.keys, layer.values = k[:, :, :known], v[:, :, :known]
         self.model(input_ids=torch.tensor([ids[known:]], device=self.device),
                    position_ids=torch.arange(known, len(ids), device=self.device)[None],
-                   cache=one, use_cache=True, logits_to_keep=1)
+                   **cache_kw(one), use_cache=True, logits_to_keep=1)
         self._prefix = (list(ids), [(layer.keys, layer.values) for layer in one.layers])
 
     def _grow(self, rows: int, columns: int) -> None:
@@ -668,7 +669,7 @@ class HFModelRunner:
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
         self.ends = [self.num_columns if r else e for e, r in zip(self.ends, rows)]
         out = self.model(input_ids=self._upload(ids), attention_mask=self.attn if self.has_holes else None,
-                         position_ids=self._upload(pos), cache=self.cache, use_cache=True, logits_to_keep=1)
+                         position_ids=self._upload(pos), **cache_kw(self.cache), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
     def _forward_packed(self, rows: list[list[int]], at: dict[int, tuple[list[int], list[int]]] | None = None
@@ -700,7 +701,7 @@ class HFModelRunner:
         try:
             with _attention_implementation(self.model.config, PACKED_ATTENTION):
                 last = self._upload(torch.tensor([s + n - 1 for s, n in zip(starts, counts)]))
-                out = self.model(input_ids=ids, position_ids=self._upload(pos[None]), cache=self.cache,
+                out = self.model(input_ids=ids, position_ids=self._upload(pos[None]), **cache_kw(self.cache),
                                  use_cache=True, rig_packed=plan, logits_to_keep=last)
         finally:
             for layer in self.cache.layers:

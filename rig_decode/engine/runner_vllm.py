@@ -27,6 +27,7 @@ request's first scheduled prefill, and every later output of the session repeats
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import threading
@@ -35,6 +36,15 @@ from dataclasses import dataclass
 
 from .runner_remote import Completion, Prediction, RemoteError, RemoteRunner, _Row
 from .vllm_api import VllmApi, engine_args_kwargs, load_vllm_api, resolve_mode
+
+
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long vLLM's engine process may take to exit once told to: its default (5 s) is shorter than a
+CPU worker's teardown, which then ends with a force-kill warning."""
+
+
+async def _call(fn, **kwargs):
+    return fn(**kwargs)
 
 
 class VllmError(RemoteError):
@@ -246,10 +256,12 @@ class VllmRunner(RemoteRunner):
                 pass
         self._ending = []
         if self.owns_engine and hasattr(self.engine, "shutdown"):
-            async def shutdown():
-                self.engine.shutdown()
-
-            self.loop.run(shutdown(), timeout=120)
+            engine, self.engine = self.engine, None
+            self.loop.run(_call(engine.shutdown, timeout=SHUTDOWN_TIMEOUT_S), timeout=SHUTDOWN_TIMEOUT_S + 30)
+            # AsyncLLM.__del__ shuts down once more: let that happen now, not at interpreter exit,
+            # where vLLM's module globals are already gone (a TypeError printed on the way out)
+            del engine
+            gc.collect()
         if self.owns_loop:
             self.loop.close()
         super().close()

@@ -20,8 +20,12 @@ from typing import Any
 LOGITS_PROCESSOR = "rig_decode.engine.vllm_logits:RigMarkerLogitsProcessor"
 """The marker logits processor, by the ``module:Class`` name vLLM's engine process imports."""
 
-MISSING = ("engine.backend: vllm needs vLLM in this environment: pip install 'rig_decode[vllm]' "
-           "(a CUDA build of torch comes with it)")
+MISSING = ("engine.backend: vllm needs vLLM in this environment: ./scripts/setup.sh --vllm installs it "
+           "(vLLM's CPU build on a machine without CUDA, the CUDA build where there is CUDA)")
+
+CPU_KV_CACHE_GIB = 2.0
+"""KV-cache memory vLLM's CPU build gets unless ``engine.vllm.kv_cache_gib`` says: 2 GiB hold ~45k
+tokens of the embedded default (30 layers x 3 KV heads x 64 x fp32)."""
 
 
 class VllmMissingError(RuntimeError):
@@ -40,6 +44,8 @@ class VllmApi:
     version: str = "unknown"
     quantization_methods: tuple[str, ...] | None = None
     """The ``quantization=`` names this vLLM accepts; None where unknown."""
+    device: str | None = None
+    """The device this vLLM build runs on (``cpu``, ``cuda``, ...); None where unknown."""
 
 
 def _first(candidates: list[tuple[str, str]]):
@@ -64,11 +70,13 @@ def load_vllm_api() -> VllmApi:
     streaming = _first([("vllm.inputs", "StreamingInput"), ("vllm.engine.protocol", "StreamingInput"),
                         ("vllm.v1.engine.async_llm", "StreamingInput")])
     quant = _first([("vllm.model_executor.layers.quantization", "QUANTIZATION_METHODS")])
+    platform = _first([("vllm.platforms", "current_platform")])
     if engine_args is None or async_llm is None:
         raise VllmMissingError(f"vLLM {vllm.__version__} has no AsyncEngineArgs / AsyncLLM where this backend "
                                "looks for them (vllm.engine.arg_utils, vllm.v1.engine.async_llm)")
     return VllmApi(SamplingParams, TokensPrompt, RequestOutputKind, streaming, engine_args, async_llm,
-                   getattr(vllm, "__version__", "unknown"), None if quant is None else tuple(quant))
+                   getattr(vllm, "__version__", "unknown"), None if quant is None else tuple(quant),
+                   getattr(platform, "device_type", None))
 
 
 def resolve_mode(mode: str, api: VllmApi) -> str:
@@ -85,19 +93,36 @@ def resolve_mode(mode: str, api: VllmApi) -> str:
 
 def engine_args_kwargs(cfg, api: VllmApi | None = None) -> dict:
     """``AsyncEngineArgs`` keyword arguments for a ``RigConfig`` (its ``model`` and ``engine.vllm``).
-    ``api``: the vLLM they are for; ValueError where it lacks the quantization ``model`` asks for."""
+    ``api``: the vLLM they are for (its device decides the CPU defaults: fp32 like the in-process
+    backend, eager, a KV cache of ``CPU_KV_CACHE_GIB``); ValueError where it lacks the quantization
+    ``model`` asks for. A model with an adapter is served merged: the first call for an adapter
+    merges it into a checkpoint in the cache (``models/merged.py``)."""
+    import torch
+
     from ..models.loader import resolve_source
+    from ..models.merged import merged_checkpoint
 
     model = cfg.served_model()
-    source, extra = resolve_source(model.name)
-    if extra.get("gguf_file"):
+    if resolve_source(model.name)[1].get("gguf_file"):
         raise ValueError("engine.backend: vllm loads a HuggingFace model directory or hub id, not a .gguf file")
     v = cfg.engine.vllm
-    kwargs = dict(model=source, dtype=model.dtype, max_model_len=v.max_model_len,
-                  gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+    device = (api.device if api is not None and getattr(api, "device", None) else
+              "cuda" if torch.cuda.is_available() else "cpu")
+    on_cpu = device == "cpu"
+    # model.dtype auto resolves as the in-process backend does (loader.resolve_dtype), so both give the
+    # same tokens; vLLM's own auto takes the checkpoint's dtype (bf16 for the embedded default)
+    dtype = model.dtype if model.dtype != "auto" else "float32" if on_cpu else "bfloat16"
+    kwargs = dict(model=merged_checkpoint(model, dtype), dtype=dtype, max_model_len=v.max_model_len,
+                  gpu_memory_utilization=v.gpu_memory_utilization,
+                  enforce_eager=on_cpu if v.enforce_eager is None else v.enforce_eager,
                   enable_prefix_caching=True, seed=model.seed,
                   # the engine reads top_logprobs per position; vLLM refuses more than max_logprobs
                   max_logprobs=max(20, v.top_logprobs))
+    kv_gib = v.kv_cache_gib if v.kv_cache_gib is not None else CPU_KV_CACHE_GIB if on_cpu else None
+    if kv_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if v.block_size is not None:
+        kwargs["block_size"] = v.block_size
     if model.quantization == "nf4":
         kwargs["quantization"] = "bitsandbytes"
         if api is not None and api.quantization_methods is not None and "bitsandbytes" not in api.quantization_methods:

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..models.cache_arg import cache_kw
 from . import to_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
@@ -286,7 +287,7 @@ class ChunkKVStore:
             plan = PackedStep(attend, 1, None, None, None, [(0, 0, len(local), to_device(mask, self.device))])
             with _attention_implementation(self.model.config, PACKED_ATTENTION):
                 self.model(input_ids=to_device(torch.tensor([[t for ids in fed for t in ids]]), self.device),
-                           position_ids=to_device((local + p)[None], self.device), cache=cache, use_cache=True,
+                           position_ids=to_device((local + p)[None], self.device), **cache_kw(cache), use_cache=True,
                            rig_packed=plan, logits_to_keep=1)
         out, at = [], p
         for lead, ids in pieces:
@@ -315,7 +316,7 @@ class ChunkKVStore:
         start = cache.get_seq_length()
         self.model(input_ids=to_device(torch.tensor([ids]), self.device),
                    position_ids=to_device(torch.arange(start, start + len(ids))[None], self.device),
-                   cache=cache, use_cache=True, logits_to_keep=1)
+                   **cache_kw(cache), use_cache=True, logits_to_keep=1)
         return cache
 
     def block_kv(self, token_ids: list[int], segments: list[int], count: int,

@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..models.cache_arg import cache_kw
+
 
 def rope_shift_ref_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
                     inv_freq: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -184,7 +186,7 @@ def _cached_keys(model, position: int) -> tuple[list[torch.Tensor], torch.dtype 
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
-                  position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+                  position_ids=torch.tensor([[position]], device=device), **cache_kw(cache), use_cache=True, logits_to_keep=1)
     except Exception as e:  # another signature (e.g. multimodal positions), another cache
         raise ValueError(f"{type(model).__name__} could not be probed for how it rotates its keys "
                          f"({type(e).__name__}: {e}): its keys are not moved") from None
