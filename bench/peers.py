@@ -39,7 +39,10 @@ at the highest concurrency), then ONE JSON line last.
                           [--concurrency 1,8] [--systems rig-hf,rig-vllm-stream,...] [--llama-server URL]
 
 ``rig synth --out out/synth`` writes the dataset. llama-server must serve the merged model (adapter
-folded in, converted to GGUF) with ``-np`` at least the highest concurrency. On vLLM's CPU build the
+folded in, converted to GGUF) with ``-np`` at least the highest concurrency, ``--special`` (the
+end marker is a special token: without it the server writes no text for it, so the resubmit loop's
+stop string never matches and every round runs to its token limit), ``--slot-save-path DIR`` and
+``--cache-ram 0`` (its slots are erased before every run, as vLLM's prefix cache is reset). On vLLM's CPU build the
 KV cache gets ``--vllm-kv-gib`` (1) and ``--max-model-len`` (4096); the three vLLM systems share one
 engine, its prefix cache reset before every run.
 """
@@ -367,7 +370,20 @@ class LlamaCompleter:
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
         self.pool = ThreadPoolExecutor(max(1, parallel))
 
-    def _one(self, ids, max_tokens, stop) -> Segment:
+    def _one(self, ids, max_tokens, stop, retries: int = 2) -> Segment:
+        """One request. A connection the server closes before answering anything (it happens on the
+        first request of a fresh client after vLLM's engine has started in this process; nothing
+        reached the server's slots) is opened again, at most ``retries`` times, and logged."""
+        import httpx
+
+        for _ in range(retries):
+            try:
+                return self._request(ids, max_tokens, stop)
+            except httpx.RemoteProtocolError as e:
+                log(f"resubmit-llama: {e} (retrying)")
+        return self._request(ids, max_tokens, stop)
+
+    def _request(self, ids, max_tokens, stop) -> Segment:
         body = {"prompt": list(ids), "n_predict": max_tokens, "temperature": 0.0, "seed": 0, "cache_prompt": True,
                 "return_tokens": True, "repeat_penalty": 1.0, "stream": True, "stop": [stop] if stop else []}
         t0, first, out, last = time.perf_counter(), None, [], {}
@@ -632,6 +648,31 @@ def _reset_prefix_cache(held: dict, loop):
     return reset
 
 
+def _erase_llama_slots(base_url: str):
+    """llama-server's counterpart of resetting vLLM's prefix cache: erase every slot's KV before a run,
+    so no system starts on prompts an earlier one left there. The server needs ``--slot-save-path``
+    for the erase action and ``--cache-ram 0`` so that no prompt comes back from its host-memory
+    cache; without them the run goes on and the log says the cache stays warm."""
+    from rig_decode.engine.runner_remote import HttpServer
+
+    def erase():
+        server = HttpServer(base_url)
+        try:
+            slots = server.get("/slots") or []
+            for slot in slots:
+                r = server.http.post(f"/slots/{slot['id']}", params={"action": "erase"})
+                if r.status_code != 200:
+                    log(f"llama-server's slots were not erased ({r.status_code}: {r.text[:120]}): "
+                        "start it with --slot-save-path DIR --cache-ram 0")
+                    return
+            if not slots:
+                log("llama-server lists no slots (/slots): its cache stays warm between runs")
+        finally:
+            server.close()
+
+    return erase
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the table and the JSON line
@@ -741,16 +782,17 @@ def main(argv=None) -> int:
             rcfg = cfg.updated(engine={"backend": "remote",
                                        "remote": {"base_url": args.llama_server, "api": "llama.cpp"}})
             r = rcfg.engine.remote
+            erase = _erase_llama_slots(args.llama_server)
             if "rig-llama" in llama_names:
                 systems.append(rig_system("rig-llama", lambda c: RemoteRunner(
                     LlamaCppServer(args.llama_server), len(tokenizer), lookahead=r.lookahead,
-                    top_logprobs=r.top_logprobs, parallel=max(c, r.parallel)), rcfg))
+                    top_logprobs=r.top_logprobs, parallel=max(c, r.parallel)), rcfg, before=erase))
             if "resubmit-llama" in llama_names:
                 complete = LlamaCompleter(args.llama_server, parallel=max(concurrency))
                 cleanup.append(complete.close)
                 systems.append(System("resubmit-llama", lambda p, c, k: run_resubmit(
                     "resubmit-llama", complete, tokenizer, retriever, p, c, k,
-                    context_limit=n_ctx or args.max_model_len, **loop_kw)))
+                    context_limit=n_ctx or args.max_model_len, **loop_kw), erase))
 
     for n in wanted:
         if n not in skipped and n not in {s.name for s in systems}:

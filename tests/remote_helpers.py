@@ -14,8 +14,10 @@ import torch
 
 
 class FakeLlamaServer:
-    def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4):
+    def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
+        self.drop_connections = drop_connections
+        """The first this many completion requests are dropped: the connection is closed unanswered."""
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # each: last prompt + what it generated
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -84,6 +86,11 @@ class FakeLlamaServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    drop, server.drop_connections = server.drop_connections > 0, max(0, server.drop_connections - 1)
+                if drop:
+                    self.close_connection = True
+                    return
                 if self.path != "/completion":
                     self._send(404, {"error": "not found"})
                     return

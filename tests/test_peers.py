@@ -9,6 +9,7 @@ import io
 import json
 import re
 
+import httpx
 import pytest
 import torch
 
@@ -193,6 +194,22 @@ def test_peers_on_stand_ins(setup):
     # the resubmit loop evaluates at least that much at every hop (the re-tokenised text, block-wise cache)
     for h, (_, rig_n) in zip(runs["resubmit-vllm"][1].hops, hf_hops):
         assert h.evaluated >= rig_n
+
+
+def test_llama_completer_reopens_a_connection_the_server_dropped(setup):
+    tok, model, policy, _ = setup
+    prompt = build_prompt(tok, QUESTIONS[1], MarkerSpec.special_token(), "Answer.")
+    with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, drop_connections=2) as server:
+        complete = bench.LlamaCompleter(server.url, parallel=1)
+        try:
+            (seg,) = complete([prompt], [8], [END])
+            assert seg.ids and len(server.requests) == 1  # two dropped, the third answered
+            server.drop_connections = 3  # more than it retries: the error reaches the caller
+            with pytest.raises(httpx.RemoteProtocolError):
+                complete([prompt], [8], [END])
+            assert len(server.requests) == 1
+        finally:
+            complete.close()
 
 
 def test_retokenization_mismatches_are_counted():
