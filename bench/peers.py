@@ -42,9 +42,9 @@ at the highest concurrency), then ONE JSON line last.
 folded in, converted to GGUF) with ``-np`` at least the highest concurrency, ``--special`` (the
 end marker is a special token: without it the server writes no text for it, so the resubmit loop's
 stop string never matches and every round runs to its token limit), ``--slot-save-path DIR`` and
-``--cache-ram 0`` (its slots are erased before every run, as vLLM's prefix cache is reset). On vLLM's CPU build the
-KV cache gets ``--vllm-kv-gib`` (1) and ``--max-model-len`` (4096); the three vLLM systems share one
-engine, its prefix cache reset before every run.
+``--cache-ram 0`` (its slots are erased before every run, as vLLM's prefix cache is reset). On vLLM's
+CPU build the KV cache gets ``--vllm-kv-gib`` (1) and ``--max-model-len`` (4096); the three vLLM
+systems share one engine, its prefix cache reset before every run.
 """
 
 from __future__ import annotations
@@ -653,20 +653,18 @@ def _erase_llama_slots(base_url: str):
     so no system starts on prompts an earlier one left there. The server needs ``--slot-save-path``
     for the erase action and ``--cache-ram 0`` so that no prompt comes back from its host-memory
     cache; without them the run goes on and the log says the cache stays warm."""
-    from rig_decode.engine.runner_remote import HttpServer
+    from rig_decode.engine.runner_remote import HttpServer, RemoteError
 
     def erase():
         server = HttpServer(base_url)
         try:
-            slots = server.get("/slots") or []
-            for slot in slots:
-                r = server.http.post(f"/slots/{slot['id']}", params={"action": "erase"})
-                if r.status_code != 200:
-                    log(f"llama-server's slots were not erased ({r.status_code}: {r.text[:120]}): "
-                        "start it with --slot-save-path DIR --cache-ram 0")
-                    return
+            slots = server.get("/slots")
             if not slots:
                 log("llama-server lists no slots (/slots): its cache stays warm between runs")
+            for slot in slots or []:
+                server.post(f"/slots/{slot['id']}?action=erase", {})
+        except RemoteError as e:
+            log(f"llama-server's slots were not erased ({e}): start it with --slot-save-path DIR --cache-ram 0")
         finally:
             server.close()
 

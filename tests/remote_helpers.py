@@ -7,6 +7,7 @@ share the longest prefix with the prompt (the least recently used one when none 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,10 +15,13 @@ import torch
 
 
 class FakeLlamaServer:
-    def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0):
+    def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
+                 slot_actions: bool = True):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
         self.drop_connections = drop_connections
         """The first this many completion requests are dropped: the connection is closed unanswered."""
+        self.slot_actions = slot_actions
+        """Whether ``POST /slots/N?action=erase`` works (llama-server started with ``--slot-save-path``)."""
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # each: last prompt + what it generated
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -81,18 +85,35 @@ class FakeLlamaServer:
             def do_GET(self):
                 if self.path == "/props":
                     self._send(200, {"default_generation_settings": {"n_ctx": server.n_ctx}})
+                elif self.path == "/slots":
+                    with server.lock:
+                        self._send(200, [{"id": i, "n_ctx": server.n_ctx, "n_tokens": len(slot)}
+                                         for i, slot in enumerate(server.slots)])
                 else:
                     self._send(404, {"error": "not found"})
 
+            def _erase(self, slot: str):
+                if not server.slot_actions:
+                    self._send(501, {"error": {"code": 501, "message": "This server does not support slots action. "
+                                                                      "Start it with `--slot-save-path`"}})
+                    return
+                with server.lock:
+                    n, server.slots[int(slot)] = len(server.slots[int(slot)]), []
+                self._send(200, {"id_slot": int(slot), "n_erased": n})
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                erase = re.fullmatch(r"/slots/(\d+)\?action=erase", self.path)
+                if erase:
+                    self._erase(erase.group(1))
+                    return
+                if self.path != "/completion":
+                    self._send(404, {"error": "not found"})
+                    return
                 with server.lock:
                     drop, server.drop_connections = server.drop_connections > 0, max(0, server.drop_connections - 1)
                 if drop:
                     self.close_connection = True
-                    return
-                if self.path != "/completion":
-                    self._send(404, {"error": "not found"})
                     return
                 try:
                     self._send(200, server.complete(body))

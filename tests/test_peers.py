@@ -212,6 +212,27 @@ def test_llama_completer_reopens_a_connection_the_server_dropped(setup):
             complete.close()
 
 
+def test_llama_slots_are_erased_before_a_run_or_the_log_says_why_not(setup, capsys):
+    tok, model, policy, _ = setup
+    prompt = build_prompt(tok, QUESTIONS[1], MarkerSpec.special_token(), "Answer.")
+    for slot_actions in (True, False):
+        with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, slots=2,
+                             slot_actions=slot_actions) as server:
+            complete = bench.LlamaCompleter(server.url, parallel=1)
+            try:
+                complete([prompt], [4], [END])
+            finally:
+                complete.close()
+            assert sum(map(len, server.slots)) > 0
+            bench._erase_llama_slots(server.url)()
+            err = capsys.readouterr().err
+            if slot_actions:
+                assert server.slots == [[], []] and err == ""
+            else:  # the server refuses: the run goes on with a warm cache, and the log says so
+                assert sum(map(len, server.slots)) > 0
+                assert "slots were not erased" in err and "501" in err and "--slot-save-path" in err
+
+
 def test_retokenization_mismatches_are_counted():
     tok = tiny_tokenizer(special_markers=True)
     letters = [tok.encode(ch, add_special_tokens=False)[0] for ch in "Release"]

@@ -99,7 +99,7 @@ def engine_args_kwargs(cfg, api: VllmApi | None = None) -> dict:
     merges it into a checkpoint in the cache (``models/merged.py``)."""
     import torch
 
-    from ..models.loader import resolve_source
+    from ..models.loader import resolve_dtype, resolve_source
     from ..models.merged import merged_checkpoint
 
     model = cfg.served_model()
@@ -109,9 +109,9 @@ def engine_args_kwargs(cfg, api: VllmApi | None = None) -> dict:
     device = (api.device if api is not None and getattr(api, "device", None) else
               "cuda" if torch.cuda.is_available() else "cpu")
     on_cpu = device == "cpu"
-    # model.dtype auto resolves as the in-process backend does (loader.resolve_dtype), so both give the
-    # same tokens; vLLM's own auto takes the checkpoint's dtype (bf16 for the embedded default)
-    dtype = model.dtype if model.dtype != "auto" else "float32" if on_cpu else "bfloat16"
+    # model.dtype auto resolves as the in-process backend resolves it, so both give the same tokens;
+    # vLLM's own auto takes the checkpoint's dtype (bf16 for the embedded default)
+    dtype = str(resolve_dtype(model.dtype, torch.device(device))).removeprefix("torch.")
     kwargs = dict(model=merged_checkpoint(model, dtype), dtype=dtype, max_model_len=v.max_model_len,
                   gpu_memory_utilization=v.gpu_memory_utilization,
                   enforce_eager=on_cpu if v.enforce_eager is None else v.enforce_eager,
