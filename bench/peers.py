@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import inspect
 import json
 import os
@@ -321,16 +320,6 @@ def run_resubmit(name: str, complete, tokenizer, retriever, prompts: list[list[i
                      [(r.t_done - r.t_start) * 1e3 for r in rows], hops, retok, retok_hops, [r.finish for r in rows])
 
 
-def _sampling_params(api, **kwargs):
-    """``api.SamplingParams`` with the keyword arguments it has (vLLM's is a msgspec struct)."""
-    cls = api.SamplingParams
-    names = getattr(cls, "__struct_fields__", None)
-    if names is None:
-        names = ([f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls)
-                 else list(inspect.signature(cls).parameters))
-    return cls(**{k: v for k, v in kwargs.items() if k in names and v is not None})
-
-
 class VllmCompleter:
     """One resubmit round on an ``AsyncLLM``: a new request per row, all in flight together."""
 
@@ -338,9 +327,9 @@ class VllmCompleter:
         self.engine, self.api, self.loop = engine, api, loop
 
     async def _one(self, ids, max_tokens, stop) -> Segment:
-        params = _sampling_params(self.api, max_tokens=max_tokens, temperature=0.0, stop=[stop] if stop else None,
-                                  include_stop_str_in_output=True if stop else None, skip_special_tokens=False,
-                                  output_kind=self.api.RequestOutputKind.DELTA)
+        params = self.api.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[stop] if stop else None,
+                                         include_stop_str_in_output=bool(stop), skip_special_tokens=False,
+                                         output_kind=self.api.RequestOutputKind.DELTA)
         t0, first, out, final = time.perf_counter(), None, [], None
         async for o in self.engine.generate(self.api.TokensPrompt(prompt_token_ids=list(ids)), params,
                                             f"peers-{uuid.uuid4().hex}"):

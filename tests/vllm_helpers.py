@@ -58,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     stop: list[str] | None = None
+    """Taken, not applied: a stop string ends nothing here (the resubmit bench cuts at it itself)."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     extra_args: dict | None = None
 
