@@ -27,8 +27,9 @@ never exist at once. Embeddings and the LM head stay in bf16. The process's PyTo
 8. memory: peak allocated, weights, KV bytes per token, the planner's KV budget for the cap minus
    the index (``rig plan``), whether that budget could be allocated beside the weights and the
    index, whether every section ran under the cap, and what the card holds outside torch's
-   allocator (the CUDA context, kernel images, FAISS), which the cap does not bound: with torch's
-   peak reserved memory, what a 24 GiB card would have to hold.
+   allocator (the CUDA context, kernel images, FAISS): with torch's peak reserved memory, what a
+   24 GiB card would have to hold. Before each section torch's allocator is capped at the cap
+   minus what the card then holds outside it, so the whole card stays under the cap.
 
 A re-prefill keeps its cache (as a real one would, to decode on). Rows are prefilled without the
 runner's shared-prefix cache, which would hold a lone prompt's KV twice, and the runner's KV
@@ -258,8 +259,7 @@ class Bench:
         for start in range(0, index.shape[0], 100_000):
             flat.add(index[start : start + 100_000].float().cpu().numpy())
         self._faiss_resources = res  # the index needs its resources alive
-        self.index_outside_torch = index.nbytes + (256 << 20)
-        cap_memory(self.device, self.shapes.cap_bytes - self.index_outside_torch)  # the card holds both
+        self.index_outside_torch = index.nbytes + (256 << 20)  # torch's cap is lowered by it from the next section
         return flat
 
     def decode(self) -> None:
@@ -443,8 +443,7 @@ class Bench:
                   "outside_cap_gb")
         # The cap bounds torch's allocator only: the CUDA context, kernel images and FAISS's own
         # allocations take the card's memory beside it, as they would on a 24 GiB card.
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside = total - free - torch.cuda.memory_reserved(self.device)
+        outside = outside_torch(self.device)
         r.add("memory", "device memory outside torch (context, kernels, FAISS)", outside / GiB, "GiB",
               "outside_torch_gb")
         card = torch.cuda.max_memory_reserved(self.device) + outside
@@ -521,9 +520,17 @@ def resolve(args):
     return device, shapes, quant, dtype
 
 
-def cap_memory(device: torch.device, cap_bytes: int) -> None:
-    """Limit torch's allocator on ``device`` to ``cap_bytes`` (an allocation beyond raises OOM)."""
+def outside_torch(device: torch.device) -> int:
+    """Bytes the card holds outside torch's allocator: the CUDA context, kernel images, FAISS."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def cap_memory(device: torch.device, card_bytes: int) -> None:
+    """Limit torch's allocator on ``device`` so that it and what the card holds outside it now fit
+    ``card_bytes`` (an allocation beyond raises OOM)."""
     if device.type == "cuda":
+        cap_bytes = card_bytes - outside_torch(device)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
 
@@ -578,6 +585,7 @@ def run_section(bench: Bench, name: str, fn, needs_model: bool) -> None:
     if name == "search" and bench.index is None and bench.faiss_index is None:
         bench.report.failed(name, "skipped: the index was not built")
         return
+    cap_memory(bench.device, bench.shapes.cap_bytes)  # less what the card now holds outside torch
     try:
         with torch.no_grad():
             fn()

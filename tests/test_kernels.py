@@ -20,17 +20,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _case(gen, batch, heads, cols, dim, n, dtype, view):
     """Random keys (optionally a non-contiguous view), n distinct (row, col) pairs, shifts."""
+    # The view is taken on DEVICE: moving a view that is not dense would copy it contiguous.
     if view == "slice":  # columns 3.. of a wider buffer
-        keys = torch.randn(batch, heads, cols + 5, dim, generator=gen).to(dtype)[:, :, 3:3 + cols]
+        keys = torch.randn(batch, heads, cols + 5, dim, generator=gen).to(DEVICE, dtype)[:, :, 3:3 + cols]
     elif view == "transposed":  # stored [batch, cols, heads, dim]
-        keys = torch.randn(batch, cols, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+        keys = torch.randn(batch, cols, heads, dim, generator=gen).to(DEVICE, dtype).transpose(1, 2)
     else:
-        keys = torch.randn(batch, heads, cols, dim, generator=gen).to(dtype)
+        keys = torch.randn(batch, heads, cols, dim, generator=gen).to(DEVICE, dtype)
     pairs = torch.randperm(batch * cols, generator=gen)[:n]
     rows, cs = pairs // cols, pairs % cols
     shift = torch.randint(-3000, 3000, (n,), generator=gen).float()
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    return keys.to(DEVICE), rows.to(DEVICE), cs.to(DEVICE), shift.to(DEVICE), inv_freq.to(DEVICE)
+    return keys, rows.to(DEVICE), cs.to(DEVICE), shift.to(DEVICE), inv_freq.to(DEVICE)
 
 
 @pytest.mark.parametrize("batch,heads,cols,dim,n,dtype,view", [

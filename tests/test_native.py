@@ -126,7 +126,15 @@ def test_in_place_leaves_other_columns_untouched():
     assert changed.all()
 
 
-def test_bad_arguments_raise_and_leave_keys_untouched():
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The op's calls, recorded instead of run: a bad call must be refused before it."""
+    calls = []
+    monkeypatch.setattr(torch.ops.rig_decode, "rope_shift_layers_", lambda *args: calls.append(args))
+    return calls
+
+
+def test_bad_arguments_raise_and_leave_keys_untouched(op_calls):
     keys = torch.randn(2, 3, 5, 8)
     before = keys.clone()
     rows, cols, shift, inv_freq = torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([3, -3]), _inv_freq(8)
@@ -153,6 +161,33 @@ def test_bad_arguments_raise_and_leave_keys_untouched():
     with pytest.raises(ValueError, match="several indices"):
         native.rope_shift_(torch.randn(1, 1, 1, 8).expand(2, 3, 5, 8), rows, cols, shift, inv_freq)
     assert torch.equal(keys, before)
+    assert op_calls == []
+
+
+def test_the_op_checks_its_arguments_itself():
+    """The op's own checks, the backstop for calls that bypass ``native.rope_shift_layers_``, raise
+    Python errors (in a child process: a crash there is this test's failure, not the run's end)."""
+    code = """
+import torch
+from rig_decode.kernels import native
+assert native.available(), native.load_error()
+op = torch.ops.rig_decode.rope_shift_layers_
+keys, inv_freq = torch.randn(2, 3, 5, 8), 1 / 1e4 ** (torch.arange(0, 8, 2) / 8)
+rows, cols, shift = torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([3.0, -3.0])
+for args in ((rows, cols, shift, inv_freq[:3]), (rows, torch.tensor([4, 5]), shift, inv_freq),
+             (rows.int(), cols, shift, inv_freq)):
+    try:
+        op([keys], *args)
+    except Exception as exc:
+        print(type(exc).__name__, str(exc).splitlines()[0])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "ValueError rope_shift_layers_: inv_freq has 3 entries; head_dim 8 needs 4",
+        "IndexError rope_shift_layers_: (row, column) index (1, 5) at position 1 is outside keys of shape [2, 3, 5, 8]",
+        "TypeError rope_shift_layers_: rows and cols must be int64, got Int and Long",
+    ]
 
 
 # Where the indices are: on CUDA, host indices take the no-sync path, CUDA ones the device check.
@@ -203,7 +238,7 @@ def test_the_operator_is_registered_soundly(device):
         assert set(results.values()) == {"SUCCESS"} and "test_faketensor" in results, results
 
 
-def test_layers_op_checks_every_layer_before_writing_any():
+def test_layers_op_checks_every_layer_before_writing_any(op_calls):
     layers = [torch.randn(2, 3, 5, 8) for _ in range(3)]
     before = [k.clone() for k in layers]
     rows, cols, shift, inv_freq = torch.tensor([0, 1]), torch.tensor([4, 2]), torch.tensor([3.0, -3.0]), _inv_freq(8)
@@ -217,12 +252,14 @@ def test_layers_op_checks_every_layer_before_writing_any():
         with pytest.raises(ValueError, match="share memory"):
             native.rope_shift_layers_(shared, rows, cols, shift, inv_freq)
     native.rope_shift_layers_([buf[1], buf[0]], rows, cols, shift, inv_freq)  # adjacent, not shared: fine
+    assert len(op_calls) == 1
     with pytest.raises(IndexError, match=r"\(1, 5\) at position 1 is outside"):
         native.rope_shift_layers_(layers, rows, torch.tensor([4, 5]), shift, inv_freq)
     with pytest.raises(ValueError, match="inv_freq has 3 entries"):
         native.rope_shift_layers_(layers, rows, cols, shift, inv_freq[:3])
     for got, want in zip(layers, before):
         assert torch.equal(got, want)
+    assert len(op_calls) == 1
 
 
 def test_dispatcher_uses_native_on_cpu(monkeypatch):

@@ -20,7 +20,7 @@ import os
 import torch
 
 from . import native
-from .rope import RopeSpec, _check, _check_layers, _rotate_, rope_of, rope_shift_ref_
+from .rope import RopeSpec, _rotate_, check_shift_args, rope_of, rope_shift_ref_
 
 __all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_of", "backend_for", "has_triton",
            "to_device"]
@@ -82,8 +82,7 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     backend = backend_for(first.device)
     if backend == "native":  # checks everything itself, and computes the angles once
         return native.rope_shift_layers_(layers, rows, cols, shift, inv_freq, interleaved)
-    _check(first, rows, cols, shift, inv_freq)
-    _check_layers(layers)
+    check_shift_args(layers, rows, cols, shift, inv_freq)
     rows, cols, shift, inv_freq = (to_device(t, first.device) for t in (rows, cols, shift, inv_freq))
     if backend == "torch":
         for keys in layers:

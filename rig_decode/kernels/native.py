@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .rope import check_shift_args
+
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _OP = "rig_decode::rope_shift_layers_"
 
@@ -102,14 +104,22 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     """``rope.rope_shift_ref_`` on every layer's keys (one shape, dtype and device, no two sharing
     memory) with the same entries, by the native kernel.
 
-    Arguments are checked, the indices bounds-checked and the angles' cos / sin computed once for
-    all layers, before anything is written. On CUDA, indices given as CPU tensors are checked on the
-    host and copied through pinned memory: no device sync (CUDA indices cost one, for the check).
-    The (row, column) pairs must be distinct: the kernel rotates in place, so a repeated pair would
-    be rotated by both shifts (or raced over by two threads) where the reference keeps one of them.
+    Arguments are checked in Python (``rope.check_shift_args``) before the op runs, so a bad call
+    raises here and never reaches the op's own checks, which stay as a backstop for direct calls:
+    on one CUDA machine (docs/kernels.md) an exception thrown inside the op ended the process
+    instead of reaching Python.
+    The indices go to the op as host tensors: on CUDA they reach the device through pinned memory
+    with no device sync (indices given on the device cost one, to bring them to the host). The op
+    computes the angles' cos / sin once for all layers. The (row, column) pairs must be distinct:
+    the kernel rotates in place, so a repeated pair would be rotated by both shifts (or raced over
+    by two threads) where the reference keeps one of them.
     """
     if not available():
         raise RuntimeError(f"the native extension rig_decode._C is not available: {load_error()}")
+    rows, cols = rows.cpu(), cols.cpu()
+    if layers and layers[0].device.type == "cpu":  # a CUDA tensor among them would pick the CUDA kernel
+        shift, inv_freq = shift.cpu(), inv_freq.cpu()
+    check_shift_args(layers, rows, cols, shift, inv_freq)
     torch.ops.rig_decode.rope_shift_layers_(layers, rows, cols, shift, inv_freq, interleaved)
     torch.autograd.graph.increment_version(layers)  # written through raw pointers: tell autograd
     return layers

@@ -35,7 +35,7 @@ def rope_shift_ref_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, 
     ``[head_dim // 2]``; ``interleaved``: the pairs are ``(2i, 2i + 1)``, not ``(i, i + d/2)``.
     Returns ``keys``.
     """
-    _check(keys, rows, cols, shift, inv_freq)
+    check_shift_args([keys], rows, cols, shift, inv_freq)
     return _rotate_(keys, rows, cols, shift, inv_freq, interleaved)
 
 
@@ -54,21 +54,41 @@ def _rotate_(keys, rows, cols, shift, inv_freq, interleaved: bool = False) -> to
     return keys
 
 
-def _check(keys, rows, cols, shift, inv_freq) -> None:
+KEY_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_shift_args(layers: list[torch.Tensor], rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor,
+                     inv_freq: torch.Tensor) -> None:
+    """Every argument of a re-rotation of ``layers`` checked, before anything is written; the
+    errors every backend raises (the native op checks again, as a backstop for direct calls). One
+    device sync for indices on CUDA, none on the host."""
+    if rows.dim() != 1 or not (rows.shape == cols.shape == shift.shape):
+        raise ValueError(f"rows, cols and shift must be 1-D of one length, got {tuple(rows.shape)}, "
+                         f"{tuple(cols.shape)}, {tuple(shift.shape)}")
+    if rows.dtype != torch.int64 or cols.dtype != torch.int64:
+        raise TypeError(f"rows and cols must be int64, got {rows.dtype} and {cols.dtype}")
+    if shift.is_complex() or shift.dtype == torch.bool:
+        raise TypeError(f"shift must be a real number type, got {shift.dtype}")
+    if not inv_freq.is_floating_point():
+        raise TypeError(f"inv_freq must be floating point, got {inv_freq.dtype}")
+    if not layers:
+        return
+    keys = layers[0]
     if keys.dim() != 4:
         raise ValueError(f"keys must be [batch, heads, columns, head_dim], got shape {tuple(keys.shape)}")
+    if keys.dtype not in KEY_DTYPES:
+        raise TypeError(f"keys must be float32, float64, bfloat16 or float16, got {keys.dtype}")
     if keys.shape[-1] % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {keys.shape[-1]}")
     if inv_freq.numel() != keys.shape[-1] // 2:
         raise ValueError(f"inv_freq has {inv_freq.numel()} entries; head_dim {keys.shape[-1]} needs "
                          f"{keys.shape[-1] // 2}")
-    if not (rows.shape == cols.shape == shift.shape) or rows.dim() != 1:
-        raise ValueError(f"rows, cols and shift must be 1-D of one length, got {tuple(rows.shape)}, "
-                         f"{tuple(cols.shape)}, {tuple(shift.shape)}")
-    # One device sync for indices on CUDA; none on the host.
-    outside = ((rows < 0) | (rows >= keys.shape[0])).any() | ((cols < 0) | (cols >= keys.shape[2])).any()
-    if bool(outside):
-        raise IndexError(f"a (row, column) index is outside keys of shape {tuple(keys.shape)}")
+    _check_layers(layers)
+    outside = (rows < 0) | (rows >= keys.shape[0]) | (cols < 0) | (cols >= keys.shape[2])
+    if bool(outside.any()):  # the sync, for indices on CUDA
+        n = int(outside.nonzero()[0])
+        raise IndexError(f"(row, column) index ({int(rows[n])}, {int(cols[n])}) at position {n} is outside keys "
+                         f"of shape {tuple(keys.shape)}")
 
 
 def _check_layers(layers: list[torch.Tensor]) -> None:
