@@ -7,7 +7,8 @@ gold paragraphs (k = 2, 5, 10, averaged over questions; query typo correction on
 1, 8 and 32 queries (one ``search_batch`` call per batch, median over the whole question set).
 
     python bench/retrieval.py [--dataset ../shared/data/hotpotqa_dev_100.jsonl]
-                              [--reranker-dir DIR]   # a folder holding a flashrank model
+                              [--cross-encoder DIR]  # also the hybrid's top 20 reranked by it
+                              [--reranker-dir DIR]   # likewise a flashrank model in DIR
 
 Prints a table, then one JSON line.
 """
@@ -31,7 +32,7 @@ BATCHES = (1, 8, 32)
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_100.jsonl"
 
 
-def methods(reranker_dir: str | None) -> dict[str, RetrieverConfig]:
+def methods(cross_encoder: str | None, reranker_dir: str | None) -> dict[str, RetrieverConfig]:
     base = dict(score_threshold=-1.0, candidates=20)
     out = {
         "bm25": RetrieverConfig(type="bm25", **base),
@@ -42,10 +43,14 @@ def methods(reranker_dir: str | None) -> dict[str, RetrieverConfig]:
         "bm25, no typo fix": RetrieverConfig(type="bm25", typo_similarity=None, **base),
         "hybrid (alpha), no typo fix": RetrieverConfig(type="hybrid", fusion="alpha", typo_similarity=None, **base),
     }
+    # a reranker over the hybrid's top 20 (an unbounded budget: this measures quality)
+    rerank = dict(top_n=10, candidates=20, budget_ms=1e9)
+    if cross_encoder:
+        out["hybrid + cross-encoder"] = RetrieverConfig(type="hybrid", **base, reranker=RerankerConfig(
+            type="cross-encoder", model_dir=cross_encoder, **rerank))
     if reranker_dir:
-        out["hybrid + rerank"] = RetrieverConfig(
-            type="hybrid", **base,
-            reranker=RerankerConfig(type="flashrank", model_dir=reranker_dir, top_n=10, candidates=20, budget_ms=1e6))
+        out["hybrid + flashrank"] = RetrieverConfig(type="hybrid", **base, reranker=RerankerConfig(
+            type="flashrank", model_dir=reranker_dir, **rerank))
     return out
 
 
@@ -69,13 +74,14 @@ def ms_per_query(retriever, questions: list[str], batch: int, k: int = 5) -> flo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dataset", default=str(DEFAULT_DATA))
-    ap.add_argument("--reranker-dir", default=None)
+    ap.add_argument("--cross-encoder", default=None, help="an ONNX cross-encoder folder (scripts/train_reranker.py)")
+    ap.add_argument("--reranker-dir", default=None, help="a folder holding a flashrank model")
     args = ap.parse_args(argv)
     examples, corpus = load_dataset(args.dataset)
     questions = [e.question for e in examples]
     rows = {}
     with tempfile.TemporaryDirectory() as cache:
-        for name, cfg in methods(args.reranker_dir).items():
+        for name, cfg in methods(args.cross_encoder, args.reranker_dir).items():
             r = build_retriever(cfg, cache_dir=Path(cache), corpus=corpus)
             if hasattr(r, "embedder"):  # measure search, not the query-embedding cache
                 r.embedder.cache_size = 0
@@ -89,8 +95,6 @@ def main(argv=None) -> int:
     for name, m in rows.items():
         print(f"{name:<28}" + "".join(f"{m[f'recall@{k}']:>11.3f}" for k in KS)
               + "".join(f"{m[f'ms@{b}']:>11.2f}" for b in BATCHES))
-    if not args.reranker_dir:
-        print("hybrid + rerank: not run (no flashrank model folder given with --reranker-dir)")
     print(json.dumps({
         "bench": "retrieval", "questions": len(examples), "paragraphs": len(corpus),
         "recall@5": {n: round(m["recall@5"], 4) for n, m in rows.items()},

@@ -45,13 +45,25 @@ class ModelConfig(_Section):
 
 
 class RerankerConfig(_Section):
-    type: Literal["none", "flashrank"] = "none"
+    type: Literal["none", "cross-encoder", "flashrank"] = "none"
+    """``cross-encoder``: an ONNX cross-encoder in ``model_dir`` (``scripts/train_reranker.py``
+    writes one); ``flashrank``: ``model`` in flashrank's layout under ``model_dir``; ``none``:
+    fusion order."""
     model: str = "ms-marco-TinyBERT-L-2-v2"
+    """The flashrank model's name (``type: flashrank`` only)."""
     model_dir: str | None = None
-    """Folder holding ``<model>/`` in flashrank's layout (default: <cache>/rerankers). Never downloaded."""
+    """``cross-encoder``: the model's folder (required); ``flashrank``: the folder holding
+    ``<model>/`` in flashrank's layout (default: <cache>/rerankers). Never downloaded."""
     top_n: int = Field(3, ge=1)
     candidates: int = Field(10, ge=1)
     budget_ms: float = Field(200.0, gt=0)
+    """Per query: queries beyond what the budget predicts keep the fusion order (recorded)."""
+
+    @model_validator(mode="after")
+    def _cross_encoder_needs_a_folder(self):
+        if self.type == "cross-encoder" and not self.model_dir:
+            raise ValueError("reranker.type cross-encoder needs reranker.model_dir (the model's folder)")
+        return self
 
 
 class MilvusConfig(_Section):

@@ -53,13 +53,16 @@ def build_retriever(cfg: RetrieverConfig, cache_dir: Path | None = None,
 
 
 def _rerank(retriever: Retriever, cfg: RetrieverConfig, cache: Path) -> Retriever:
-    if cfg.reranker.type == "none":
+    rc = cfg.reranker
+    if rc.type == "none":
         return retriever
-    from .rerank import FlashRankReranker, RerankingRetriever
+    from .rerank import CrossEncoderReranker, FlashRankReranker, RerankingRetriever
 
-    reranker = FlashRankReranker(cfg.reranker.model, cfg.reranker.model_dir or cache / "rerankers")
-    return RerankingRetriever(retriever, reranker, cfg.reranker.top_n, cfg.reranker.candidates,
-                              cfg.reranker.budget_ms)
+    if rc.type == "flashrank":
+        reranker = FlashRankReranker(rc.model, rc.model_dir or cache / "rerankers")
+    else:
+        reranker = CrossEncoderReranker(rc.model_dir)
+    return RerankingRetriever(retriever, reranker, rc.top_n, rc.candidates, rc.budget_ms)
 
 
 def cached_store(docs: list[Document], embedder: Embedder, name: str, cache: Path,

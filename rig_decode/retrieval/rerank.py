@@ -1,19 +1,26 @@
-"""Cross-encoder reranking in process (flashrank, ONNX), within a latency budget.
+"""Cross-encoder reranking in process, within a latency budget.
 
 ``RerankingRetriever`` asks its base retriever for ``candidates`` hits per query and reorders them
-with the reranker, keeping ``top_n``. Each query has a budget in milliseconds: the reranker's cost
-is predicted from what it has measured so far (milliseconds per passage); when a query would exceed
-its budget, its hits stay in fusion order and the fallback is recorded. A reranker that raises
-falls back the same way. Nothing is downloaded: flashrank fetches a model only when its directory
-is missing, and we refuse before that happens.
+with a reranker, keeping ``top_n``; the queries of one call are scored together, in one batch. Each
+query has a budget in milliseconds: the reranker's cost is predicted from what it has measured so
+far (milliseconds per passage); queries are admitted while the batch they wait for is predicted to
+stay within the budget, and the others keep the fusion order with the fallback recorded. A reranker
+that raises falls back the same way.
 
-Good models in flashrank's layout: ``ms-marco-TinyBERT-L-2-v2`` (~4 MB, fastest),
-``ms-marco-MiniLM-L-12-v2`` (~34 MB, better), ``ms-marco-MultiBERT-L-12`` (multilingual, for
-Chinese corpora). Put the unzipped folder under ``reranker.model_dir``.
+Rerankers:
+
+* ``CrossEncoderReranker``: a cross-encoder exported to ONNX, run with onnxruntime
+  (``scripts/train_reranker.py`` fine-tunes one from the embedded MiniLM and writes this layout).
+* ``FlashRankReranker``: a model in flashrank's layout. Nothing is downloaded: flashrank fetches a
+  model only when its directory is missing, and we refuse before that happens. Good models:
+  ``ms-marco-TinyBERT-L-2-v2`` (~4 MB, fastest), ``ms-marco-MiniLM-L-12-v2`` (~34 MB, better),
+  ``ms-marco-MultiBERT-L-12`` (multilingual, for Chinese corpora). Put the unzipped folder under
+  ``reranker.model_dir``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,8 +28,80 @@ from typing import Any, Protocol
 from .base import Hit, HitList, RetrievalError, Retriever
 
 
+def passage_text(title: str | None, text: str) -> str:
+    """A passage as a cross-encoder scores it: its title, then its text."""
+    return f"{title}: {text}" if title else text
+
+
 class Reranker(Protocol):
     def rerank(self, query: str, hits: list[Hit], top_n: int) -> list[Hit]: ...
+
+
+def _reordered(hits: list[Hit], scores, top_n: int) -> list[Hit]:
+    """``hits`` by descending score (ties keep their order), the first ``top_n``, each carrying its
+    reranker score and its fusion score."""
+    order = sorted(range(len(hits)), key=lambda i: -float(scores[i]))[:top_n]
+    out = []
+    for i in order:
+        h = hits[i]
+        meta = dict(h.metadata, fusion_score=round(h.score, 4))
+        out.append(Hit(h.doc_id, h.text, float(scores[i]), h.title, meta, h.source))
+    return out
+
+
+class CrossEncoderReranker:
+    """A cross-encoder in ONNX scored with onnxruntime, many queries' passages in one batch.
+
+    ``model_dir`` holds ``model.onnx`` (inputs ``input_ids``, ``attention_mask``,
+    ``token_type_ids``; one logit per pair), ``tokenizer.json`` and ``reranker.json``
+    (``max_length``: query and passage together, the passage cut to fit)."""
+
+    def __init__(self, model_dir: str | Path, threads: int | None = None, batch_pairs: int = 32):
+        folder = Path(model_dir)
+        missing = [f for f in ("model.onnx", "tokenizer.json", "reranker.json") if not (folder / f).is_file()]
+        if missing:
+            raise RetrievalError(f"reranker model not found: {folder} lacks {', '.join(missing)}")
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise RetrievalError("the cross-encoder reranker needs onnxruntime (pip install 'rig_decode[rerank]')") from None
+        from tokenizers import Tokenizer
+
+        meta = json.loads((folder / "reranker.json").read_text(encoding="utf-8"))
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.tokenizer.enable_truncation(int(meta["max_length"]), strategy="only_second")
+        self.tokenizer.enable_padding(pad_id=self.tokenizer.token_to_id("[PAD]") or 0)
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        self.inputs = {i.name for i in self.session.get_inputs()}
+        self.batch_pairs = batch_pairs
+        self.name = folder.name
+
+    def score(self, pairs: list[tuple[str, str]]):
+        """One logit per (query, passage) pair, higher is more relevant."""
+        import numpy as np
+
+        out = []
+        for start in range(0, len(pairs), self.batch_pairs):
+            enc = self.tokenizer.encode_batch(pairs[start : start + self.batch_pairs])
+            feed = {"input_ids": [e.ids for e in enc], "attention_mask": [e.attention_mask for e in enc],
+                    "token_type_ids": [e.type_ids for e in enc]}
+            feed = {k: np.asarray(v, dtype=np.int64) for k, v in feed.items() if k in self.inputs}
+            out.append(self.session.run(None, feed)[0].reshape(-1))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+    def rerank_batch(self, queries: list[str], hits: list[list[Hit]], top_n: int) -> list[list[Hit]]:
+        pairs = [(q, passage_text(h.title, h.text)) for q, hs in zip(queries, hits) for h in hs]
+        scores, out, at = self.score(pairs), [], 0
+        for hs in hits:
+            out.append(_reordered(hs, scores[at : at + len(hs)], top_n))
+            at += len(hs)
+        return out
+
+    def rerank(self, query: str, hits: list[Hit], top_n: int) -> list[Hit]:
+        return self.rerank_batch([query], [hits], top_n)[0]
 
 
 class FlashRankReranker:
@@ -49,7 +128,7 @@ class FlashRankReranker:
 
         if not hits:
             return []
-        passages = [{"id": i, "text": f"{h.title}: {h.text}" if h.title else h.text} for i, h in enumerate(hits)]
+        passages = [{"id": i, "text": passage_text(h.title, h.text)} for i, h in enumerate(hits)]
         ranked = self.ranker.rerank(RerankRequest(query=query, passages=passages))
         out = []
         for p in ranked[:top_n]:
@@ -76,30 +155,40 @@ class RerankingRetriever:
 
     def search_batch(self, queries: list[str], top_k: int, filters: dict[str, Any] | None = None) -> list[HitList]:
         results = self.base.search_batch(queries, max(top_k, self.candidates), filters)
-        out = []
-        for q, hits in zip(queries, results):
-            info = dict(getattr(hits, "info", {}))
-            keep = min(top_k, self.top_n)
-            predicted = None if self.ms_per_passage is None else self.ms_per_passage * len(hits)
+        keep = min(top_k, self.top_n)
+        out = [HitList(list(hits)[:keep], dict(getattr(hits, "info", {}))) for hits in results]
+        admitted, passages = [], 0  # queries scored together: each waits for the whole batch
+        for i, hits in enumerate(results):
+            predicted = None if self.ms_per_passage is None else self.ms_per_passage * (passages + len(hits))
             if predicted is not None and predicted > self.budget_ms:
-                info["rerank"] = f"skipped: predicted {predicted:.0f} ms > budget {self.budget_ms:g} ms"
-                info["fallback"] = "fusion order (rerank over budget)"
-                out.append(HitList(list(hits)[:keep], info))
-                continue
-            t0 = time.perf_counter()
-            try:
-                ranked = self.reranker.rerank(q, list(hits), keep)
-            except Exception as e:  # noqa: BLE001 - a failing reranker falls back to fusion order
-                info["rerank"] = f"failed: {type(e).__name__}: {e}"
-                info["fallback"] = "fusion order (rerank failed)"
-                out.append(HitList(list(hits)[:keep], info))
-                continue
-            ms = (time.perf_counter() - t0) * 1e3
-            if hits:
-                per = ms / len(hits)
-                self.ms_per_passage = per if self.ms_per_passage is None else 0.7 * self.ms_per_passage + 0.3 * per
-            info["rerank"] = f"{len(hits)} -> {len(ranked)} in {ms:.0f} ms"
+                out[i].info["rerank"] = f"skipped: predicted {predicted:.0f} ms > budget {self.budget_ms:g} ms"
+                out[i].info["fallback"] = "fusion order (rerank over budget)"
+            elif hits:
+                admitted.append(i)
+                passages += len(hits)
+        if not admitted:
+            return out
+        t0 = time.perf_counter()
+        try:
+            batch = getattr(self.reranker, "rerank_batch", None)
+            if batch is not None:
+                ranked = batch([queries[i] for i in admitted], [list(results[i]) for i in admitted], keep)
+            else:
+                ranked = [self.reranker.rerank(queries[i], list(results[i]), keep) for i in admitted]
+        except Exception as e:  # noqa: BLE001 - a failing reranker falls back to fusion order
+            for i in admitted:
+                out[i].info["rerank"] = f"failed: {type(e).__name__}: {e}"
+                out[i].info["fallback"] = "fusion order (rerank failed)"
+            return out
+        ms = (time.perf_counter() - t0) * 1e3
+        per = ms / passages
+        self.ms_per_passage = per if self.ms_per_passage is None else 0.7 * self.ms_per_passage + 0.3 * per
+        for i, hits in zip(admitted, ranked):
+            info = out[i].info
+            info["rerank"] = f"{len(results[i])} -> {len(hits)} in {ms:.0f} ms"
+            if len(admitted) > 1:
+                info["rerank"] += f" (a batch of {len(admitted)} queries)"
             if ms > self.budget_ms:
                 info["rerank"] += f" (over the {self.budget_ms:g} ms budget)"
-            out.append(HitList(ranked, info))
+            out[i] = HitList(hits, info)
         return out

@@ -1,0 +1,134 @@
+"""The ONNX cross-encoder reranker (a tiny model the test builds), batched across the queries of
+one call, within the latency budget, on its own and under the embedded model's hops."""
+
+import json
+import shutil
+import time
+
+import pytest
+
+from rig_decode.config import RerankerConfig, RetrieverConfig
+from rig_decode.retrieval.base import Hit, HitList, RetrievalError
+from rig_decode.retrieval.dense import resolve_embedder
+from rig_decode.retrieval.factory import build_retriever
+from rig_decode.retrieval.rerank import CrossEncoderReranker, RerankingRetriever
+
+from .test_rerank_milvus import _tiny_cross_encoder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A cross-encoder folder whose logit counts 'banana' in the passage."""
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("ce")
+    tok = Tokenizer.from_file(f"{resolve_embedder('all-minilm-l6-v2')}/tokenizer.json")
+    _tiny_cross_encoder(root / "tmp", tok.token_to_id("banana"))
+    folder = root / "tiny"
+    folder.mkdir()
+    shutil.move(root / "tmp" / "flashrank-TinyBERT-L-2-v2.onnx", folder / "model.onnx")
+    shutil.copy(root / "tmp" / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "reranker.json").write_text(json.dumps({"max_length": 32}))
+    return folder
+
+
+HITS = [Hit(f"d{i}", text, 1.0 - i / 10, title=f"T{i}") for i, text in
+        enumerate(["apples are red", "a banana is yellow", "banana banana bread", "grapes"])]
+
+
+class _Base:
+    def __init__(self):
+        self.calls = []
+
+    def search_batch(self, queries, top_k, filters=None):
+        self.calls.append((list(queries), top_k))
+        return [HitList(HITS[:top_k], {"mode": "test"}) for _ in queries]
+
+
+class _Counting(CrossEncoderReranker):
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.scored = []
+
+    def score(self, pairs):
+        self.scored.append(len(pairs))
+        return super().score(pairs)
+
+
+def test_cross_encoder_reorders_by_its_scores(tiny):
+    ce = CrossEncoderReranker(tiny)
+    ranked = ce.rerank("which fruit", HITS, top_n=2)
+    assert [h.doc_id for h in ranked] == ["d2", "d1"]
+    assert ranked[0].score > ranked[1].score and ranked[0].metadata["fusion_score"] == pytest.approx(0.8)
+    assert ranked[0].title == "T2" and ranked[0].text == HITS[2].text
+    # a passage past max_length is cut, not refused: the count stops at the cut
+    long = Hit("x", "banana " * 200, 0.0)
+    assert ce.score([("q", long.text)])[0] < 32
+
+
+def test_the_queries_of_one_call_are_scored_in_one_batch(tiny):
+    ce = _Counting(tiny)
+    base = _Base()
+    r = RerankingRetriever(base, ce, top_n=2, candidates=4, budget_ms=10_000)
+    res = r.search_batch(["q1", "q2", "q3"], 3)
+    assert ce.scored == [12]  # 3 queries x 4 candidates, one call
+    assert base.calls == [(["q1", "q2", "q3"], 4)]
+    for hits in res:
+        assert [h.doc_id for h in hits] == ["d2", "d1"]
+        assert hits.info["mode"] == "test" and "4 -> 2" in hits.info["rerank"] and "batch of 3" in hits.info["rerank"]
+
+
+def test_queries_beyond_the_budget_keep_the_fusion_order(tiny):
+    r = RerankingRetriever(_Base(), _Counting(tiny), top_n=2, candidates=4, budget_ms=10)
+    r.ms_per_passage = 1.0  # 4 passages: 4 ms; 8: 8 ms; 12: over the 10 ms budget
+    res = r.search_batch(["q1", "q2", "q3"], 3)
+    assert [h.doc_id for h in res[0]] == ["d2", "d1"] and [h.doc_id for h in res[1]] == ["d2", "d1"]
+    assert [h.doc_id for h in res[2]] == ["d0", "d1"]
+    assert "over budget" in res[2].info["fallback"] and "predicted 12 ms" in res[2].info["rerank"]
+    assert r.reranker.scored == [8]
+
+
+def test_a_failing_cross_encoder_falls_back_for_every_query(tiny):
+    class Broken(CrossEncoderReranker):
+        def score(self, pairs):
+            raise RuntimeError("onnx session died")
+
+    res = RerankingRetriever(_Base(), Broken(tiny), top_n=2, candidates=4).search_batch(["a", "b"], 3)
+    for hits in res:
+        assert [h.doc_id for h in hits] == ["d0", "d1"] and "onnx session died" in hits.info["rerank"]
+
+
+def test_a_missing_model_is_refused(tmp_path):
+    with pytest.raises(RetrievalError, match="lacks model.onnx"):
+        CrossEncoderReranker(tmp_path)
+    cfg = RetrieverConfig(type="bm25", reranker=RerankerConfig(type="cross-encoder", model_dir=str(tmp_path)))
+    with pytest.raises(RetrievalError, match="reranker model not found"):
+        build_retriever(cfg, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="needs reranker.model_dir"):
+        RerankerConfig(type="cross-encoder")
+
+
+@pytest.mark.real_model
+def test_a_budget_the_reranker_cannot_meet_falls_back_in_the_hops_trace(real, tiny):
+    """The embedded model and the demo retriever with a cross-encoder under a 1 ms budget that
+    each query's passages take longer than: the first hop measures the reranker (over budget,
+    noted); every later hop keeps the fusion order, and its trace says so."""
+    from rig_decode import RigConfig, RigSession
+
+    class Slow(CrossEncoderReranker):
+        def score(self, pairs):
+            time.sleep(0.01)
+            return super().score(pairs)
+
+    cfg = RigConfig().updated(model={"max_tokens": 16}, rig={"retrieve_first": True})
+    r = RerankingRetriever(build_retriever(cfg.retriever), Slow(tiny), top_n=3, candidates=10, budget_ms=1.0)
+    session = RigSession(cfg, retriever=r)
+    try:
+        _, first = session.ask("Who founded the company that makes the Brisa T4?")
+        assert "over the 1 ms budget" in first.retrieval_steps[0].info["rerank"]
+        _, later = session.ask("In which city is the maker of the Lumora K7?")
+        step = later.retrieval_steps[0]
+        assert step.fallback == "fusion order (rerank over budget)" and step.docs
+        assert step.info["rerank"].startswith("skipped: predicted")
+    finally:
+        session.close()
