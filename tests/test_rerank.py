@@ -2,7 +2,6 @@
 one call, within the latency budget, on its own and under the embedded model's hops."""
 
 import json
-import shutil
 import time
 
 import pytest
@@ -21,13 +20,9 @@ def tiny(tmp_path_factory):
     """A cross-encoder folder whose logit counts 'banana' in the passage."""
     from tokenizers import Tokenizer
 
-    root = tmp_path_factory.mktemp("ce")
+    folder = tmp_path_factory.mktemp("ce") / "tiny"
     tok = Tokenizer.from_file(f"{resolve_embedder('all-minilm-l6-v2')}/tokenizer.json")
-    _tiny_cross_encoder(root / "tmp", tok.token_to_id("banana"))
-    folder = root / "tiny"
-    folder.mkdir()
-    shutil.move(root / "tmp" / "flashrank-TinyBERT-L-2-v2.onnx", folder / "model.onnx")
-    shutil.copy(root / "tmp" / "tokenizer.json", folder / "tokenizer.json")
+    _tiny_cross_encoder(folder, tok.token_to_id("banana"), onnx_name="model.onnx")
     (folder / "reranker.json").write_text(json.dumps({"max_length": 32}))
     return folder
 

@@ -15,8 +15,9 @@ from rig_decode.retrieval.store import Chunk
 MODEL = "ms-marco-TinyBERT-L-2-v2"
 
 
-def _tiny_cross_encoder(folder, token_id: int):
-    """An ONNX 'cross-encoder' whose logit counts ``token_id`` in the passage segment."""
+def _tiny_cross_encoder(folder, token_id: int, onnx_name: str = "flashrank-TinyBERT-L-2-v2.onnx"):
+    """An ONNX 'cross-encoder' whose logit counts ``token_id`` in the passage segment, in
+    flashrank's layout (``onnx_name`` is the model file's name)."""
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
 
@@ -38,7 +39,7 @@ def _tiny_cross_encoder(folder, token_id: int):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     folder.mkdir(parents=True)
-    onnx.save(model, str(folder / "flashrank-TinyBERT-L-2-v2.onnx"))
+    onnx.save(model, str(folder / onnx_name))
     src = resolve_embedder("all-minilm-l6-v2")  # a BERT WordPiece tokenizer in the layout flashrank reads
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
         shutil.copy(f"{src}/{name}", folder / name)

@@ -129,13 +129,10 @@ class FlashRankReranker:
         if not hits:
             return []
         passages = [{"id": i, "text": passage_text(h.title, h.text)} for i, h in enumerate(hits)]
-        ranked = self.ranker.rerank(RerankRequest(query=query, passages=passages))
-        out = []
-        for p in ranked[:top_n]:
-            h = hits[p["id"]]
-            meta = dict(h.metadata, fusion_score=round(h.score, 4))
-            out.append(Hit(h.doc_id, h.text, float(p["score"]), h.title, meta, h.source))
-        return out
+        scores = [0.0] * len(hits)
+        for p in self.ranker.rerank(RerankRequest(query=query, passages=passages)):
+            scores[p["id"]] = float(p["score"])
+        return _reordered(hits, scores, top_n)
 
 
 class RerankingRetriever:
