@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .models.embedded import DEFAULT_MODEL
+
 
 class ConfigError(ValueError):
     """A configuration file or dict that cannot be used; the message names the key path."""
@@ -24,7 +26,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = Field("smollm2-135m-instruct", min_length=1)
+    name: str = Field(DEFAULT_MODEL, min_length=1)
     """An embedded default name, a local directory, a ``.gguf`` file or a HuggingFace id."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "nf4"] = "none"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from rig_decode.config import ModelConfig
 from rig_decode.markers import MarkerSpec
+from rig_decode.models.embedded import DEFAULT_MODEL
 from rig_decode.prompt import without_cite_instruction
 from rig_decode.train.lora import TrainConfig, add_marker_tokens, load_base, save, train, wrap_lora
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     defaults = TrainConfig()
     ap.add_argument("--data", required=True, help="traces (JSONL) of the special_token or json style; several files comma-separated")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default=ModelConfig().name)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--steps", type=int, default=defaults.steps)
     ap.add_argument("--batch-size", type=int, default=defaults.batch_size)
     ap.add_argument("--lr", type=float, default=defaults.lr)
@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision("high")  # fp32 weights, TF32 matmuls where a GPU has them
     traces = [json.loads(line) for path in args.data.split(",") for line in Path(path).open(encoding="utf-8")]
     if not traces:
         ap.error(f"{args.data} holds no traces")

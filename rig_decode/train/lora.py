@@ -62,13 +62,18 @@ class TrainResult:
 
 
 def load_base(name: str):
-    """(model, tokenizer) to train: the bare model in fp32 with plain, trainable linears - never
-    with the marker adapter ``model.adapter: auto`` would merge for an embedded model, which would
-    train a new adapter on top of the shipped one while it is later applied to the bare model."""
-    from ..config import ModelConfig
-    from ..models.loader import load_model
+    """(model, tokenizer) to train: the bare model in fp32 with plain, trainable linears, on the
+    GPU when there is one - never with the marker adapter ``model.adapter: auto`` would merge for an
+    embedded model, which would train a new adapter on top of the shipped one while it is later
+    applied to the bare model. Needs torch and transformers only (no config schema)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return load_model(ModelConfig(name=name, dtype="float32", cpu_gemm="torch", adapter=None))
+    from ..models.loader import resolve_device, resolve_source
+
+    source, extra = resolve_source(name)
+    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **extra)
+    return model.to(resolve_device()).eval(), tokenizer
 
 
 def add_marker_tokens(model, tokenizer, spec: MarkerSpec) -> list[int]:
