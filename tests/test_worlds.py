@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rig_decode.eval.world_questions import COMPARE_FRAMES, HELD_OUT_COMPARE, HELD_OUT_YESNO, YESNO_FRAMES
-from rig_decode.eval.world_schema import (ENTITY_KINDS, EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES,
+from rig_decode.eval.world_schema import (COMMON, ENTITY_KINDS, EXTRA_COMMON, EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES,
                                           HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS,
                                           QUESTION_FRAMES, RELATIONS)
 from rig_decode.eval.worlds import SPLITS, generate, write
@@ -140,3 +140,15 @@ def test_extra_phrasings_widen_only_the_training_worlds():
     assert not train_frames & {*HELD_OUT_QUESTION_FRAMES, *HELD_OUT_COMPARE, *HELD_OUT_YESNO}
     assert not {q["frame"] for name in splits if name.startswith("test") for q in splits[name]} & set(EXTRA_QUESTION_FRAMES)
     assert not set(EXTRA_FACT_FRAMES) & set(FACT_FRAMES) and not set(EXTRA_QUESTION_FRAMES) & set(QUESTION_FRAMES)
+
+
+def test_extra_no_search_questions_reach_only_the_training_world():
+    """``--extra-phrasings`` widens the train world's no-search questions past its twelve, with none
+    of the dev or test worlds' questions, and gives them to no other world."""
+    questions = {q for q, _ in EXTRA_COMMON}
+    assert len(questions) == len(EXTRA_COMMON) >= 100
+    assert not questions & {q for name in ("train", "dev", "test") for q, _ in COMMON[name]}
+    _, wide = generate(seed=5, scale=0.5, extra_phrasings=True)
+    asked = {name: {q["question"] for q in qs if q["kind"] == "no_retrieval"} for name, qs in wide.items()}
+    assert len(asked["train"] & questions) > len(COMMON["train"])
+    assert not any(asked[name] & questions for name in asked if name != "train")

@@ -166,7 +166,7 @@ def yesno_question(w, spec, rng: random.Random) -> dict | None:
 
 
 def no_retrieval_questions(spec, rng: random.Random, n: int) -> list[dict]:
-    common = list(COMMON[spec.common])
+    common = [*COMMON[spec.common], *spec.common_extra]
     rng.shuffle(common)
     template, op = ARITHMETIC[spec.common]
     out, asked = [], set()

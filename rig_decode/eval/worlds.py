@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .world_questions import world_questions
-from .world_schema import (EVERY_FACT_FRAME, EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES,
+from .world_schema import (EVERY_FACT_FRAME, EXTRA_COMMON, EXTRA_FACT_FRAMES, EXTRA_QUESTION_FRAMES, FACT_FRAMES,
                            HELD_OUT_FACT_FRAMES, HELD_OUT_QUESTION_FRAMES, HELD_OUT_RELATIONS, INTRO, QUESTION_FRAMES,
                            RELATION, RELATIONS, ROLES, Relation, capitalised, doc_id)
 
@@ -53,6 +53,8 @@ class SplitSpec:
     must_use: tuple[str, ...] = ()
     """A question's chain uses at least one of these relations (the unseen-relation splits)."""
     common: str = "test"
+    common_extra: tuple[tuple[str, str], ...] = ()
+    """More questions that need no search, beside the ``common`` list's (training worlds only)."""
     units: int = 3
     unseen_phrasings: bool = False
 
@@ -205,7 +207,7 @@ def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
 def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -> tuple[list[dict], dict[str, list[dict]]]:
     """(corpus documents, questions per split); ``scale`` multiplies world sizes and counts.
     ``extra_phrasings`` gives the train and dev worlds the training-only phrasings too
-    (``EXTRA_*_FRAMES``); the test worlds' phrasings stay as they are (their worlds, drawn from the
+    (``EXTRA_*_FRAMES``), and the train world's no-search questions the ``EXTRA_COMMON`` list; the test worlds' phrasings stay as they are (their worlds, drawn from the
     same random stream, differ: such a run adds training data, it is no benchmark)."""
     rng = random.Random(seed)
     names = Names(rng)
@@ -213,7 +215,8 @@ def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -
     for spec in SPLITS:
         if extra_phrasings and not spec.name.startswith("test"):
             spec = replace(spec, fact_frames=spec.fact_frames + tuple(EXTRA_FACT_FRAMES),
-                           question_frames=spec.question_frames + tuple(EXTRA_QUESTION_FRAMES))
+                           question_frames=spec.question_frames + tuple(EXTRA_QUESTION_FRAMES),
+                           common_extra=tuple(EXTRA_COMMON) if spec.name == "train" else ())
         u = max(1, round(spec.units * scale))
         w = build_world(spec, names, rng, u)
         corpus += list(w.docs.values())
