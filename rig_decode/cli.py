@@ -186,9 +186,9 @@ def cmd_synth(args) -> int:
     else:
         from .eval.synth import write
 
-    if args.extra_phrasings and args.generator != "wide":
-        raise SystemExit("rig synth: --extra-phrasings needs --generator wide")
-    extra = {"extra_phrasings": True} if args.extra_phrasings else {}
+    extra = {k: True for k in ("extra_phrasings", "extra_no_search") if getattr(args, k)}
+    if extra and args.generator != "wide":
+        raise SystemExit(f"rig synth: --{next(iter(extra)).replace('_', '-')} needs --generator wide")
     counts = write(args.out, seed=args.seed, scale=args.scale, **extra)
     print(json.dumps(counts))
     return 0
@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--extra-phrasings", action="store_true",
                      help="wide: the train and dev worlds also use the training-only fact and question phrasings "
                           "(more training data; the test worlds are then no benchmark: use --held-out on them)")
+    syn.add_argument("--extra-no-search", action="store_true",
+                     help="wide: the train world also asks a hundred more general-knowledge questions that need no "
+                          "search (EXTRA_COMMON; disjoint from the dev and test worlds' lists)")
     syn.set_defaults(func=cmd_synth)
 
     index = sub.add_parser("index", help="build, update and inspect retrieval indexes")

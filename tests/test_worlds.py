@@ -143,12 +143,15 @@ def test_extra_phrasings_widen_only_the_training_worlds():
 
 
 def test_extra_no_search_questions_reach_only_the_training_world():
-    """``--extra-phrasings`` widens the train world's no-search questions past its twelve, with none
-    of the dev or test worlds' questions, and gives them to no other world."""
+    """``--extra-no-search`` widens the train world's no-search questions past its twelve, with none
+    of the dev or test worlds' questions, gives them to no other world and leaves every world else
+    as it was."""
     questions = {q for q, _ in EXTRA_COMMON}
     assert len(questions) == len(EXTRA_COMMON) >= 100
     assert not questions & {q for name in ("train", "dev", "test") for q, _ in COMMON[name]}
-    _, wide = generate(seed=5, scale=0.5, extra_phrasings=True)
+    plain_corpus, plain = generate(seed=5, scale=0.5)
+    corpus, wide = generate(seed=5, scale=0.5, extra_no_search=True)
     asked = {name: {q["question"] for q in qs if q["kind"] == "no_retrieval"} for name, qs in wide.items()}
     assert len(asked["train"] & questions) > len(COMMON["train"])
     assert not any(asked[name] & questions for name in asked if name != "train")
+    assert corpus == plain_corpus and all(wide[name] == plain[name] for name in plain if name != "train")

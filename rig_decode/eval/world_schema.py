@@ -236,7 +236,7 @@ COMMON = {
              ("What is the boiling point of water in degrees Celsius at sea level?", "100"),
              ("What is the opposite of up?", "down"), ("How many wheels does a bicycle have?", "two")],
 }
-# More questions that need no search, for training worlds written with --extra-phrasings only: twelve
+# More questions that need no search, for the train world only (rig synth --extra-no-search): twelve
 # are too few to teach "general knowledge needs no search" rather than "these twelve need none".
 # Disjoint from the dev and test lists (tests/test_worlds.py).
 EXTRA_COMMON = [

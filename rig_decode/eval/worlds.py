@@ -204,10 +204,12 @@ def _describe(w: World, e: str, spec: SplitSpec, rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -> tuple[list[dict], dict[str, list[dict]]]:
+def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False,
+             extra_no_search: bool = False) -> tuple[list[dict], dict[str, list[dict]]]:
     """(corpus documents, questions per split); ``scale`` multiplies world sizes and counts.
     ``extra_phrasings`` gives the train and dev worlds the training-only phrasings too
-    (``EXTRA_*_FRAMES``), and the train world's no-search questions the ``EXTRA_COMMON`` list; the test worlds' phrasings stay as they are (their worlds, drawn from the
+    (``EXTRA_*_FRAMES``); ``extra_no_search`` adds the ``EXTRA_COMMON`` questions to the train
+    world's questions that need no search; the test worlds' phrasings stay as they are (their worlds, drawn from the
     same random stream, differ: such a run adds training data, it is no benchmark)."""
     rng = random.Random(seed)
     names = Names(rng)
@@ -215,8 +217,9 @@ def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -
     for spec in SPLITS:
         if extra_phrasings and not spec.name.startswith("test"):
             spec = replace(spec, fact_frames=spec.fact_frames + tuple(EXTRA_FACT_FRAMES),
-                           question_frames=spec.question_frames + tuple(EXTRA_QUESTION_FRAMES),
-                           common_extra=tuple(EXTRA_COMMON) if spec.name == "train" else ())
+                           question_frames=spec.question_frames + tuple(EXTRA_QUESTION_FRAMES))
+        if extra_no_search and spec.name == "train":
+            spec = replace(spec, common_extra=tuple(EXTRA_COMMON))
         u = max(1, round(spec.units * scale))
         w = build_world(spec, names, rng, u)
         corpus += list(w.docs.values())
@@ -225,11 +228,12 @@ def generate(seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -
     return corpus, splits
 
 
-def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False) -> dict[str, int]:
+def write(out_dir: str | Path, seed: int = 0, scale: float = 1.0, extra_phrasings: bool = False,
+          extra_no_search: bool = False) -> dict[str, int]:
     """Write ``corpus.jsonl`` and one ``<split>.jsonl`` per split (the eval dataset format)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus, splits = generate(seed, scale, extra_phrasings)
+    corpus, splits = generate(seed, scale, extra_phrasings, extra_no_search)
     counts = {"documents": len(corpus)}
     with (out / "corpus.jsonl").open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in corpus)
