@@ -4,6 +4,8 @@ splits that hold out what they claim to (entities, phrasings, relations)."""
 import collections
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -155,3 +157,17 @@ def test_extra_no_search_questions_reach_only_the_training_world():
     assert len(asked["train"] & questions) > len(COMMON["train"])
     assert not any(asked[name] & questions for name in asked if name != "train")
     assert corpus == plain_corpus and all(wide[name] == plain[name] for name in plain if name != "train")
+
+
+def test_rig_synth_takes_the_extra_flags_for_the_wide_generator_only(tmp_path):
+    def synth(*args):
+        return subprocess.run([sys.executable, "-m", "rig_decode.cli", "synth", "--out", str(tmp_path / "w"),
+                               "--scale", "0.4", *args], capture_output=True, text=True, timeout=300)
+
+    for flag in ("--extra-no-search", "--extra-phrasings"):
+        bad = synth(flag)
+        assert bad.returncode != 0 and f"rig synth: {flag} needs --generator wide" in bad.stderr
+    ok = synth("--generator", "wide", "--extra-no-search")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    asked = {json.loads(line)["question"] for line in (tmp_path / "w" / "train.jsonl").open()}
+    assert asked & {q for q, _ in EXTRA_COMMON}
