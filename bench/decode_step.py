@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from rig_decode.config import ModelConfig
-from rig_decode.engine.runner_hf import new_cache
+from rig_decode.models.kv_buffers import new_cache
 from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 

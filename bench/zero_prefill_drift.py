@@ -20,7 +20,7 @@ import sys
 import torch
 
 from rig_decode.config import ModelConfig
-from rig_decode.engine.runner_hf import new_cache
+from rig_decode.models.kv_buffers import new_cache
 from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.markers import MarkerSpec
 from rig_decode.models.cache_arg import cache_kw

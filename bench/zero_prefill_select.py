@@ -72,7 +72,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rig_decode.config import ModelConfig
-from rig_decode.engine.runner_hf import _attention_implementation, _common_prefix, new_cache
+from rig_decode.engine.runner_hf import common_prefix
 from rig_decode.eval.metrics import contains_answer
 from rig_decode.eval.synth import generate
 from rig_decode.evidence import EvidenceFormatter
@@ -80,7 +80,9 @@ from rig_decode.kernels import rope_of, rope_shift_
 from rig_decode.kernels.chunk_kv import ChunkKVStore, value_deviation
 from rig_decode.markers import MarkerSpec
 from rig_decode.models.cache_arg import cache_kw
+from rig_decode.models.kv_buffers import new_cache
 from rig_decode.models.loader import load_model
+from rig_decode.models.packed_attention import attention_implementation
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT, build_prompt
 from rig_decode.retrieval.base import Hit
 
@@ -128,7 +130,7 @@ def make_cases(tok, n: int, seed: int = 0, distractors: int = 3, gold_first: boo
 
 def system_turn(tok, spec: MarkerSpec) -> list[int]:
     """The tokens every case's chat prompt starts with: its system turn and the user turn's header."""
-    return _common_prefix([build_prompt(tok, q, spec, system=MARKER_ADAPTER_PROMPT) for q in ("a?", "b?")])
+    return common_prefix([build_prompt(tok, q, spec, system=MARKER_ADAPTER_PROMPT) for q in ("a?", "b?")])
 
 
 @torch.no_grad()
@@ -162,7 +164,7 @@ def _forward(model, ids, positions, cache, mask=None):
     kwargs = dict(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), **cache_kw(cache), use_cache=True)
     if mask is None:
         return model(**kwargs).logits[0].float()
-    with _attention_implementation(model.config, MASKED):
+    with attention_implementation(model.config, MASKED):
         return model(**kwargs, rig_mask=mask[None, None]).logits[0].float()
 
 

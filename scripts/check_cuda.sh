@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile the CUDA kernels (rig_decode/kernels/csrc/*.cu) on a machine without a CUDA toolkit or a
+# Compile the CUDA kernels (kernels/*.cu) on a machine without a CUDA toolkit or a
 # GPU, so that a compile error shows here and not first on a GPU machine. NVIDIA's nvcc 13.0 (the
 # CUDA of current torch CUDA builds) compiles each source for sm_80 and sm_90 with the flags torch's
 # own CUDA extensions use, against the torch headers of .venv, warnings as errors (nvcc's and g++'s).
@@ -56,7 +56,7 @@ for arch in "${ARCHS[@]}"; do flags+=(-gencode "arch=compute_$arch,code=sm_$arch
 rm -rf "$OUT" && mkdir -p "$OUT/keep"
 echo "[cuda] nvcc $("$NVCC" --version | grep -o 'release [0-9.]*'), architectures ${ARCHS[*]}"
 start=$(date +%s)
-for source in rig_decode/kernels/csrc/*.cu; do
+for source in kernels/*.cu; do
   name=$(basename "$source" .cu)
   "$NVCC" "${flags[@]}" --keep --keep-dir "$OUT/keep" -c "$source" -o "$OUT/$name.o" \
     || { echo "[cuda] $source does not compile" >&2; exit 1; }

@@ -1,6 +1,6 @@
 """The CUDA kernels compile for the GPUs they target, on a machine without a CUDA toolkit or a GPU.
 
-* native: ``scripts/check_cuda.sh`` compiles ``rig_decode/kernels/csrc/*.cu`` with NVIDIA's nvcc
+* native: ``scripts/check_cuda.sh`` compiles ``kernels/*.cu`` with NVIDIA's nvcc
   13.0 from PyPI wheels (the CUDA of current torch CUDA builds), warnings as errors. Skipped only where PyPI is
   out of reach or there is no host compiler.
 * Triton: the kernel the CPU tests run in Triton's interpreter is compiled ahead of time for
@@ -28,7 +28,7 @@ def test_the_cuda_kernels_compile_for_ampere_and_hopper():
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, f"scripts/check_cuda.sh failed:\n{proc.stdout}\n{proc.stderr}"
     out = ROOT / "build" / "cuda-check"
-    for source in sorted((ROOT / "rig_decode" / "kernels" / "csrc").glob("*.cu")):
+    for source in sorted((ROOT / "kernels").glob("*.cu")):
         for arch in (80, 90):
             assert f".target sm_{arch}" in (out / f"{source.stem}.sm_{arch}.ptx").read_text()
             cubin = (out / f"{source.stem}.sm_{arch}.cubin").read_bytes()

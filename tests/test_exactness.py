@@ -137,7 +137,7 @@ def test_buffered_layer_behaves_like_dynamic_layer():
     are installed as they are (no spare room, never written to), keys and values independently."""
     from transformers.cache_utils import DynamicLayer
 
-    from rig_decode.engine.runner_hf import BufferedLayer
+    from rig_decode.models.kv_buffers import BufferedLayer
 
     torch.manual_seed(0)
     buffered, plain = BufferedLayer(), DynamicLayer()
@@ -160,7 +160,7 @@ def test_buffered_layer_relayouts_work_in_place():
     """Adding rows and columns, keeping rows (in order or not) and gathering columns give what
     padding, indexing and gathering give; once the layer has its own buffer, rows joining and
     leaving and compaction happen inside it, and the next write still lands in place."""
-    from rig_decode.engine.runner_hf import BufferedLayer
+    from rig_decode.models.kv_buffers import BufferedLayer
 
     torch.manual_seed(1)
     layer = BufferedLayer()
@@ -195,7 +195,7 @@ def test_buffered_layer_spare_room():
     """Spare columns come with every move to a larger buffer, spare rows only with rows joining (a
     lone long row does not pay for a second one), and ``max_slots`` bounds the spare room (spare
     rows first, then columns down to ``MIN_SPARE``), never what the rows in use need."""
-    from rig_decode.engine.runner_hf import BufferedLayer
+    from rig_decode.models.kv_buffers import BufferedLayer
 
     def kv(rows, cols):
         return torch.randn(rows, 2, cols, 4), torch.randn(rows, 2, cols, 4)

@@ -308,12 +308,12 @@ def test_a_failed_summary_eviction_ends_that_row_and_no_other(model, tok):
 
 
 def test_a_failing_reuse_lookup_searches_instead(model, tok, monkeypatch):
-    import rig_decode.engine.engine as engine_module
+    import rig_decode.engine.hops as hops
 
     def broken(*a, **k):
         raise KeyError("numbers")
 
-    monkeypatch.setattr(engine_module, "find_reuse", broken)
+    monkeypatch.setattr(hops, "find_reuse", broken)
     e = two_row_engine(model, tok, reuse_similarity=0.8)
     a, _ = e.generate([e.new_sequence(tok.encode("first"), 0), e.new_sequence(tok.encode("second"), 1)])
     [step] = a.trace.retrieval_steps

@@ -9,7 +9,7 @@ import pytest
 
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.async_engine import AsyncRigEngine, FinishEvent, HopEvent, TokenEvent
-from rig_decode.engine.runner_hf import BufferedLayer
+from rig_decode.models.kv_buffers import BufferedLayer
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
 from .helpers import ForceScript, ScriptedRetriever

@@ -129,10 +129,11 @@ def test_assembling_pieces_is_charged_once_to_the_splicing_rows_only(deep, tok, 
     except while pieces are assembled, which takes ten seconds of it."""
     from types import SimpleNamespace
 
-    from rig_decode.engine import engine as engine_module
+    from rig_decode.engine import engine, hops, postprocess
 
     clock = [0.0]
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    for module in (engine, hops, postprocess):  # the step's clock, wherever the engine reads it
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     vocab = MarkerVocab(tok, MarkerSpec.special_token())
     opts = EngineOptions(max_iterations=1, max_new_tokens=40, evidence_token_budget=64, top_k=2,
                          zero_prefill=True, sync_retrieval=True)

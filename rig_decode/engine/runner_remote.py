@@ -194,7 +194,7 @@ def remote_runner(cfg, vocab_size: int) -> "RemoteRunner":
 
 
 @dataclass(slots=True)
-class _Row:
+class RemoteRow:
     tokens: list[int] = field(default_factory=list)
     ahead: deque = field(default_factory=deque)
     """Predictions for the positions after ``tokens``, best guess of what comes next."""
@@ -213,7 +213,7 @@ class RemoteRunner:
         self.lookahead, self.top_logprobs = lookahead, top_logprobs
         self.pool = ThreadPoolExecutor(parallel) if parallel > 1 else None
         self._limit = context_limit or server.context_limit() or 1 << 30
-        self.rows: list[_Row] = []
+        self.rows: list[RemoteRow] = []
         self.calls = 0
 
     @property
@@ -224,8 +224,8 @@ class RemoteRunner:
     def batch_size(self) -> int:
         return len(self.rows)
 
-    def _new_row(self) -> _Row:
-        return _Row()
+    def _new_row(self) -> RemoteRow:
+        return RemoteRow()
 
     def reset(self, batch_size: int = 0) -> None:
         self.rows = [self._new_row() for _ in range(batch_size)]

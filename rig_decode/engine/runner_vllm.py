@@ -34,7 +34,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .runner_remote import Completion, Prediction, RemoteError, RemoteRunner, _Row
+from .runner_remote import Completion, Prediction, RemoteError, RemoteRow, RemoteRunner
 from .vllm_api import VllmApi, engine_args_kwargs, load_vllm_api, resolve_mode
 
 
@@ -123,7 +123,7 @@ class _Session:
 
 
 @dataclass(slots=True)
-class _SessionRow(_Row):
+class _SessionRow(RemoteRow):
     session: _Session | None = None
     held: int = 0
     """Leading tokens whose KV the session holds (everything it was sent)."""

@@ -133,7 +133,7 @@ def _describe(e: str, kind: str, f: dict[str, str]) -> str:
 
 
 # (template id, start kind, relation path, question text)
-_TEMPLATES = [
+TEMPLATES = [
     ("maker", "product", ["maker"], "Which company makes the {e}?"),
     ("released", "product", ["released"], "In which year was the {e} released?"),
     ("hq", "company", ["hq"], "In which city is {e} headquartered?"),
@@ -154,7 +154,7 @@ _TEMPLATES = [
 
 def world_questions(w: World, rng: random.Random, per_hop: dict[int, int]) -> list[SynthQuestion]:
     by_hop: dict[int, list[SynthQuestion]] = {1: [], 2: [], 3: []}
-    for tid, kind, path, text in _TEMPLATES:
+    for tid, kind, path, text in TEMPLATES:
         for e in (x for x, k in w.kinds.items() if k == kind):
             chain, cur = [e], e
             for rel in path:
@@ -208,7 +208,7 @@ def world_conversations(w: World, rng: random.Random, n: int) -> list[dict]:
       second search for it is redundant when that document is still at hand);
     * follow-up: a fact of the entity just found (needs one new document);
     * chit-chat (no search)."""
-    starts = [(tid, kind, path, text) for tid, kind, path, text in _TEMPLATES
+    starts = [(tid, kind, path, text) for tid, kind, path, text in TEMPLATES
               if len(path) == 1 and tid in _DETAIL]
     out = []
     for i in range(n):

@@ -20,7 +20,8 @@ import os
 import torch
 
 from . import native
-from .rope import RopeSpec, _rotate_, check_shift_args, rope_of, rope_shift_ref_
+from .rope import RopeSpec, check_shift_args, rope_of, rope_shift_ref_, rotate_unchecked_
+from .transfer import to_device
 
 __all__ = ["RopeSpec", "rope_shift_", "rope_shift_layers_", "rope_shift_ref_", "rope_of", "backend_for", "has_triton",
            "to_device"]
@@ -86,19 +87,8 @@ def rope_shift_layers_(layers: list[torch.Tensor], rows: torch.Tensor, cols: tor
     rows, cols, shift, inv_freq = (to_device(t, first.device) for t in (rows, cols, shift, inv_freq))
     if backend == "torch":
         for keys in layers:
-            _rotate_(keys, rows, cols, shift, inv_freq, interleaved)
+            rotate_unchecked_(keys, rows, cols, shift, inv_freq, interleaved)
         return layers
     from .triton_rope import rope_shift_layers_triton_
 
     return rope_shift_layers_triton_(layers, rows, cols, shift, inv_freq, interleaved)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``. From the host to CUDA the copy goes through pinned memory and is queued
-    on the stream: it does not wait for the GPU's work (a copy from pageable memory would)."""
-    device = torch.device(device)
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)  # towards the host a non-blocking copy could be read before it lands

@@ -31,7 +31,10 @@ from typing import NamedTuple
 import torch
 
 from ..models.cache_arg import cache_kw
-from . import to_device
+from ..models.kv_buffers import new_cache
+from ..models.packed_attention import (PACKED_ATTENTION, PackedStep, additive_mask, attention_implementation,
+                                       model_attention)
+from .transfer import to_device
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, m, head_dim]
 Piece = tuple[tuple[int, ...], tuple[int, ...]]  # (lead, token ids): the KV of the ids, computed after the lead
@@ -266,9 +269,6 @@ class ChunkKVStore:
         piece after lead and piece in a single sequence, each at positions ``len(prefix)..`` and
         attending to the prefix and to its own lead and tokens up to itself (a block-diagonal
         causal mask, the runner's packed attention); no padding is computed."""
-        from ..engine.runner_hf import (PACKED_ATTENTION, PackedStep, _additive_mask, _attention_implementation,
-                                        _model_attention)
-
         p = len(self.prefix)
         cache = self._prefix_cache()
         fed = [[*lead, *ids] for lead, ids in pieces]
@@ -281,11 +281,11 @@ class ChunkKVStore:
             # token j sees the prefix, and token c of its own piece where c comes at or before j
             own = (piece_of[:, None] == piece_of[None, :]) & (local[None, :] <= local[:, None])
             mask = torch.cat([torch.ones(len(local), p, dtype=torch.bool), own], dim=1)[None, None]
-            attend, additive = _model_attention(self.model)
+            attend, additive = model_attention(self.model)
             if additive:
-                mask = _additive_mask(mask, self.model.dtype)
+                mask = additive_mask(mask, self.model.dtype)
             plan = PackedStep(attend, 1, None, None, None, [(0, 0, len(local), to_device(mask, self.device))])
-            with _attention_implementation(self.model.config, PACKED_ATTENTION):
+            with attention_implementation(self.model.config, PACKED_ATTENTION):
                 self.model(input_ids=to_device(torch.tensor([[t for ids in fed for t in ids]]), self.device),
                            position_ids=to_device((local + p)[None], self.device), **cache_kw(cache), use_cache=True,
                            rig_packed=plan, logits_to_keep=1)
@@ -298,8 +298,6 @@ class ChunkKVStore:
 
     def _prefix_cache(self):
         """A cache holding the prefix's KV (computed once), to compute pieces after."""
-        from ..engine.runner_hf import new_cache
-
         cache = new_cache(self.model.config)
         if not self.prefix:
             return cache

@@ -36,10 +36,10 @@ def rope_shift_ref_(keys: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, 
     Returns ``keys``.
     """
     check_shift_args([keys], rows, cols, shift, inv_freq)
-    return _rotate_(keys, rows, cols, shift, inv_freq, interleaved)
+    return rotate_unchecked_(keys, rows, cols, shift, inv_freq, interleaved)
 
 
-def _rotate_(keys, rows, cols, shift, inv_freq, interleaved: bool = False) -> torch.Tensor:
+def rotate_unchecked_(keys, rows, cols, shift, inv_freq, interleaved: bool = False) -> torch.Tensor:
     """``rope_shift_ref_`` without the checks (made once by the caller)."""
     if rows.numel() == 0:
         return keys
@@ -184,7 +184,7 @@ def _probe(model, inv_freq: torch.Tensor, p: int = 3, s: int = 997) -> RopeSpec:
 
     def shifted(k: torch.Tensor, interleaved: bool) -> torch.Tensor:  # [heads, head_dim], moved by s
         zero = torch.zeros(1, dtype=torch.long)
-        return _rotate_(k[None, :, None].clone(), zero, zero, zero.float() + s, inv_freq.cpu(), interleaved)[0, :, 0]
+        return rotate_unchecked_(k[None, :, None].clone(), zero, zero, zero.float() + s, inv_freq.cpu(), interleaved)[0, :, 0]
 
     layers = [i for i, (a, b) in enumerate(zip(before, after)) if not near(a, b)]
     for interleaved in (False, True):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import to_device
+from .transfer import to_device
 
 
 @triton.jit

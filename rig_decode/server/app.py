@@ -38,7 +38,7 @@ from ..prompt import build_prompt
 from ..textstream import TextDeltas
 from ..trace import RetrievalStep, Trace
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, _Common, error_body
+from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
 
 # The engine's finish reasons, in OpenAI's vocabulary (the exact one is in ``rig.finish_reason``).
 _FINISH = {"stop": "stop", "length": "length", "context_full": "length", "deadline": "length",
@@ -110,7 +110,7 @@ class Server:
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            "authentication_error", "invalid_api_key")
 
-    def prompt_ids(self, req: _Common, memory: EvidenceMemory | None = None) -> list[int]:
+    def prompt_ids(self, req: GenerationRequest, memory: EvidenceMemory | None = None) -> list[int]:
         tok = self.engine.tokenizer
         if isinstance(req, ChatCompletionRequest):
             try:
@@ -127,7 +127,7 @@ class Server:
                                 "for the conversation's evidence)", param="rig.conversation_id")
         return tok.encode(req.prompt, add_special_tokens=False)
 
-    def submit(self, req: _Common) -> RequestHandle:
+    def submit(self, req: GenerationRequest) -> RequestHandle:
         if req.model != self.model_id:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
                            code="model_not_found", param="model")
@@ -153,12 +153,12 @@ class Server:
         except ValueError as e:  # prompt too long for the context or the KV budget
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
-    def text_stream(self, req: _Common) -> TextDeltas:
+    def text_stream(self, req: GenerationRequest) -> TextDeltas:
         return TextDeltas(self.engine.vocab, self.engine.stop_ids, raw=req.rig.show_evidence, stop=req.stop)
 
     # -- events -> OpenAI JSON ---------------------------------------------------------------------
 
-    async def updates(self, handle: RequestHandle, req: _Common, text: TextDeltas | None = None):
+    async def updates(self, handle: RequestHandle, req: GenerationRequest, text: TextDeltas | None = None):
         """A request's progress as ``(text, hop, finish_reason)`` updates: new answer text, a hop
         that finished, or the end. Leaving early (the client went away) cancels the request."""
         text = text or self.text_stream(req)
@@ -193,7 +193,7 @@ class Server:
         self.front.close()
 
 
-def _question(req: _Common) -> str:
+def _question(req: GenerationRequest) -> str:
     if isinstance(req, ChatCompletionRequest):
         users = [m for m in req.messages if m.role == "user"]
         return users[-1].text() if users else ""
@@ -275,7 +275,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
             raise ApiError(404, f"the model {model_id!r} does not exist", code="model_not_found")
         return _model_card(server)
 
-    async def handle(req: _Common, request: Request, chat: bool):
+    async def handle(req: GenerationRequest, request: Request, chat: bool):
         server.check_auth(request)
         handle = server.submit(req)  # errors surface here, before the response starts
         seq = handle.seq

@@ -43,7 +43,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class _Common(BaseModel):
+class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -89,11 +89,11 @@ class _Common(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
 
     @field_validator("prompt")

@@ -32,7 +32,7 @@ import copy
 import random
 from dataclasses import dataclass, field
 
-from ..eval.synth import _TEMPLATES
+from ..eval.synth import TEMPLATES
 from ..evidence import EvidenceFormatter, number_hits
 from ..markers import MarkerSpec
 from ..prompt import build_prompt
@@ -46,7 +46,7 @@ PHRASINGS = {
     "birthplace": ["{e} birthplace", "where was {e} born", "{e} born in"],
     "country": ["{e} country", "which country is {e} in", "city {e} located in country"],
 }
-PATHS = {tid: path for tid, _, path, _ in _TEMPLATES}
+PATHS = {tid: path for tid, _, path, _ in TEMPLATES}
 VARIANTS = {"special": "special_token", "text": "special_token", "json": "json"}
 """Marker variants: ``special`` (the special_token style's delimiters added to the tokenizer as
 single tokens), ``text`` (the same delimiters as plain text), ``json`` (the JSON style)."""

@@ -1,0 +1,60 @@
+"""What a ``RigEngine`` is set to do: hop budget, evidence, sampling, batching, retrieval faults,
+and the splice variants (zero-prefill, summary eviction, reuse). Requests override some per
+sequence (``RigEngine.new_sequence``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..gate import GateSettings
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    max_iterations: int = 3
+    max_query_tokens: int = 48
+    evidence_token_budget: int = 384
+    marker_style: str = "special_token"
+    top_k: int = 3
+    retrieval_timeout_s: float = 10.0
+    retrieval_retries: int = 1
+    max_hung_searches: int = 4
+    """Abandoned searches (past ``retrieval_timeout_s``) that may still run before retrieval is
+    degraded: then hops get a no-evidence block at once instead of a wait."""
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    deadline_s: float | None = None
+    newline_ends_query: bool = True
+    retrieve_first: bool = False
+    max_batch_size: int = 64
+    kv_budget_tokens: int | None = None
+    """Token slots the KV cache may hold (rows x columns); None: unlimited."""
+    sync_retrieval: bool = False
+    reprefill: bool = False
+    """Reference mode: re-prefill the whole batch after every hop instead of splicing."""
+    citations: bool = False
+    """Constrain ``[n]`` citations to documents the row's evidence showed (``citations.py``)."""
+    gate: GateSettings | None = None
+    """Retrieval gating (``gate.py``); None: every marker the model writes is served."""
+    append_format: str = "full"
+    """``summary``: when a hop's evidence arrives, the earlier blocks leave the cache (the model's
+    own text after each block stays, as its summary of it), so at most one block is kept."""
+    zero_prefill: bool = False
+    """Splice evidence from per-piece KV computed once, alone (``kernels/chunk_kv.py``), recomputing
+    only the block's tail: an approximation of the exact splice (off by default)."""
+    zero_prefill_recompute: float = 0.1
+    """Share of each block's tokens (at least its last one) recomputed with full attention."""
+    zero_prefill_select: str = "tail"
+    """Which tokens are recomputed: ``tail``, the block's last ones; ``deviation``, its last one and
+    those whose layer-1 values, computed in context, differ most from the reused ones (CacheBlend;
+    costs a two-layer pass over the block)."""
+    chunk_store_bytes: int = 256 << 20
+    """Bytes of piece KV kept on the model's device, least recently used dropped first."""
+    chunk_store_host_bytes: int = 0
+    """Bytes of piece KV kept in host memory once the device's share is full: a hit there costs a
+    copy to the device instead of a forward."""
+    reuse_similarity: float | None = None
+    """A hop whose query is at least this similar to an earlier one (this answer's, or the
+    conversation memory's) references that query's documents instead of searching again."""
