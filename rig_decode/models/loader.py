@@ -16,6 +16,7 @@ import torch
 from ..adapters import adapter_settings, resolve_adapter
 from .cpu_gemm import pack_linears, packing_available
 from .embedded import EMBEDDED_MODELS, pull
+from .quiet import quiet_peft
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -125,15 +126,16 @@ def load_model(cfg: ModelConfig):
         model.to(device)
     adapter = adapter_path(cfg)
     if adapter is not None:
-        try:
-            from peft import PeftModel
-        except ImportError:
-            raise ModelLoadError("model.adapter needs peft (pip install peft)") from None
-        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        model = PeftModel.from_pretrained(model, str(adapter))
-        if cfg.quantization == "none":
-            model = model.merge_and_unload()
+        with quiet_peft():
+            try:
+                from peft import PeftModel
+            except ImportError:
+                raise ModelLoadError("model.adapter needs peft (pip install peft)") from None
+            if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+            model = PeftModel.from_pretrained(model, str(adapter))
+            if cfg.quantization == "none":
+                model = model.merge_and_unload()
     model.eval()
     if cfg.cpu_gemm != "torch" and device.type == "cpu" and dtype == torch.float32 and cfg.quantization == "none":
         if packing_available():

@@ -133,7 +133,10 @@ def forward_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
-    from peft import LoraConfig, get_peft_model
+    from ..models.quiet import quiet_peft
+
+    with quiet_peft():
+        from peft import LoraConfig, get_peft_model
 
     tokens = None
     if token_ids:  # the new rows train; an untied output matrix needs its rows trained too
@@ -145,7 +148,8 @@ def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, task_type="CAUSAL_LM",
                       target_modules=list(cfg.target_modules), trainable_token_indices=tokens,
                       layers_to_transform=list(range(first, n_layers)) if first else None)
-    return get_peft_model(model, lora)
+    with quiet_peft():
+        return get_peft_model(model, lora)
 
 
 def _stop_backprop_below(model, cfg: TrainConfig):
