@@ -19,7 +19,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
 import random
 import statistics
@@ -37,7 +36,8 @@ from rig_decode.retrieval.factory import build_retriever
 from rig_decode.server import create_app
 from rig_decode.server.background import serve_in_thread
 from rig_decode.session import RigSession
-from server import counter, load  # bench/ is on sys.path when run as a script
+from harness import emit, fields  # bench/ is on sys.path when run as a script
+from server import counter, load
 
 
 class RandomFaults:
@@ -129,12 +129,10 @@ def main(argv=None) -> int:
            "retrieval_at_end_of_load": degraded_seen["retrieval"]}
     print(f"{args.requests} streaming requests from {args.clients} clients, {args.fault_rate:.0%} of searches "
           f"faulty (modes mixed, hangs of {args.hang_s:g}s), retriever.timeout_s {args.timeout_s:g}")
-    for k, v in row.items():
-        if k not in ("requests", "clients", "fault_rate", "timeout_s"):
-            print(f"  {k:>24}: {v}")
+    fields({k: v for k, v in row.items() if k not in ("requests", "clients", "fault_rate", "timeout_s")})
     for r in [r for r in results if r not in ok][:5]:
         print(f"  failed request {r['i']}: status {r['status']}, done {r['done']}, {r['error']}")
-    print(json.dumps({"bench": "chaos", **row}))
+    emit({"bench": "chaos", **row})
     good = (len(ok) == args.requests and row["faults_recorded"] == row["faults_injected"]
             and row["clean_request_evidence"] and row["duplicate_ids"] == 0)
     return 0 if good else 1

@@ -21,7 +21,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,8 @@ from rig_decode.config import ModelConfig
 from rig_decode.models.kv_buffers import new_cache
 from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
+
+from harness import Table, emit  # bench/ is on sys.path when run as a script
 
 SETUPS = ("dynamic", "buffered", "packed")
 
@@ -84,14 +85,15 @@ def main(argv=None) -> int:
             if r["context"] == t:
                 for s in SETUPS:
                     r[f"{s}_tok_s_x"] = round(r["batch"] / batches[0] * base[f"{s}_ms"] / r[f"{s}_ms"], 2)
-    print(f"{'batch':>5} {'context':>7} {'dynamic ms':>10} {'buffered ms':>11} {'packed ms':>9} "
-          f"{'packed vs buffered':>18} {'tok/s x buffered':>16} {'tok/s x packed':>14} {'same tokens':>11}")
+    table = Table("batch", "context", ("dynamic ms", "{:.1f}"), ("buffered ms", "{:.1f}"), ("packed ms", "{:.1f}"),
+                  ("packed vs buffered", "{:.2f}x"), ("tok/s x buffered", "{:.2f}x"), ("tok/s x packed", "{:.2f}x"),
+                  "same tokens")
     for r in rows:
-        same = r["identical_cache"] and r["same_argmax_packed"]
-        print(f"{r['batch']:>5} {r['context']:>7} {r['dynamic_ms']:>10.1f} {r['buffered_ms']:>11.1f} "
-              f"{r['packed_ms']:>9.1f} {r['buffered_ms'] / r['packed_ms']:>17.2f}x {r['buffered_tok_s_x']:>15.2f}x "
-              f"{r['packed_tok_s_x']:>13.2f}x {str(same):>11}")
-    print(json.dumps({"bench": "decode_step", "rows": rows}))
+        table.add(r["batch"], r["context"], r["dynamic_ms"], r["buffered_ms"], r["packed_ms"],
+                  r["buffered_ms"] / r["packed_ms"], r["buffered_tok_s_x"], r["packed_tok_s_x"],
+                  r["identical_cache"] and r["same_argmax_packed"])
+    table.print()
+    emit({"bench": "decode_step", "rows": rows})
     return 0
 
 

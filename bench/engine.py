@@ -25,7 +25,6 @@ median run (a 2-core machine shared with others drifts by 10-20% over minutes).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -39,7 +38,8 @@ from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import build_prompt
 from rig_decode.retrieval.factory import build_retriever
-from workload import QUESTIONS  # bench/ is on sys.path when run as a script
+from harness import Table, emit  # bench/ is on sys.path when run as a script
+from workload import QUESTIONS
 
 QUERIES = ["error E1234 fixed in release", "release 4.2.1 approved by", "Priya Raman office"]
 HOP_STEPS = (2, 26, 50)
@@ -173,11 +173,12 @@ def main(argv=None) -> int:
     median = f", median of {args.repeat} runs" if args.repeat > 1 else ""
     print(f"{args.requests} requests, {args.max_new_tokens} tokens each, 0-3 hops, "
           f"+{args.retrieval_latency_ms:g} ms per search call{median}")
-    print(f"{'concurrency':>11} {'retrieval':>10} {'tokens/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
-          f"{'parked ms':>10} {'wall s':>7} {'steps':>6} {'hops':>5}")
+    table = Table("concurrency", "retrieval", ("tokens/s", "{:.1f}"), "p50 ms", "p95 ms", ("parked ms", "{:.1f}"),
+                  ("wall s", "{:.1f}"), "steps", "hops")
     for r in rows:
-        print(f"{r['concurrency']:>11} {'sync' if r['sync_retrieval'] else 'async':>10} {r['tokens_per_s']:>9.1f} "
-              f"{r['p50_ms']:>8} {r['p95_ms']:>8} {r['mean_parked_ms']:>10.1f} {r['wall_s']:>7.1f} {r['steps']:>6} {r['hops']:>5}")
+        table.add(r["concurrency"], "sync" if r["sync_retrieval"] else "async", r["tokens_per_s"], r["p50_ms"],
+                  r["p95_ms"], r["mean_parked_ms"], r["wall_s"], r["steps"], r["hops"])
+    table.print()
     tps = {r["concurrency"]: r["tokens_per_s"] for r in rows if not r["sync_retrieval"]}
     sync = rows[-1]
     summary = {"bench": "engine", "retrieval_latency_ms": args.retrieval_latency_ms, "rows": rows,
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot(rows, args.plot, f"{args.requests} requests x {args.max_new_tokens} tokens, 0-3 hops, "
                               f"+{args.retrieval_latency_ms:g} ms per search")
-    print(json.dumps(summary))
+    emit(summary)
     return 0
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import resource
 import signal
@@ -68,7 +67,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from rig_decode.config import RerankerConfig
 from rig_decode.engine import EngineOptions, HFModelRunner
@@ -78,8 +76,9 @@ from rig_decode.kernels.chunk_kv import ChunkKVStore
 from rig_decode.models.loader import ModelLoadError, nf4_config
 from rig_decode.retrieval.base import Hit
 
-from random_qwen import build_model, qwen2_config, weights_bytes  # bench/ is on sys.path when run as a script
-from timing import Clock, device_syncs
+from harness import Table, emit  # bench/ is on sys.path when run as a script
+from random_qwen import build_model, qwen2_config, weights_bytes
+from timing import Clock, device_syncs, forward_alone, pick_device
 
 SEED = 0
 EMBED_DIM = 384
@@ -128,7 +127,7 @@ class Report:
     """Table rows in order, and the same figures for the JSON line (``None`` + reason when n/a)."""
 
     def __init__(self):
-        self.rows: list[tuple[str, str, object, str]] = []
+        self.rows: list[tuple] = []  # (section, metric, value, unit), or (section, metric, note)
         self.data: dict = {}
         self.na: dict[str, str] = {}
         self.errors: dict[str, str] = {}
@@ -139,7 +138,7 @@ class Report:
 
     def missing(self, section: str, metric: str, key: str, reason: str, sub=None) -> None:
         short = reason if len(reason) <= 100 else reason[:99] + "…"  # the JSON keeps it whole
-        self.rows.append((section, metric, f"n/a ({short})", ""))
+        self.rows.append((section, metric, f"n/a ({short})"))
         self._put(key, sub, None)
         self.na[key if sub is None else f"{key}.{sub}"] = reason
 
@@ -150,29 +149,29 @@ class Report:
             self.data.setdefault(key, {})[str(sub)] = value
 
     def failed(self, section: str, error: str) -> None:
-        self.rows.append((section, "error", error, ""))
+        self.rows.append((section, "error", error))
         self.errors[section] = error
 
-    def table(self) -> str:
-        def fmt(v) -> str:
-            if isinstance(v, bool):
-                return "yes" if v else "no"
-            if isinstance(v, int):
-                return f"{v:,}"
-            if isinstance(v, float):
-                return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
-            return str(v)
-
+    def print(self) -> None:
+        """The rows grouped by section, in the order of ``SECTIONS``."""
         def rank(row) -> int:
             return next((i for i, name in enumerate(SECTIONS) if row[0].startswith(name)), len(SECTIONS))
 
-        cells = [(s, m, fmt(v), u) for s, m, v, u in sorted(self.rows, key=rank)]  # stable within a section
-        w0 = max(len("section"), *(len(c[0]) for c in cells))
-        w1 = max(len("metric"), *(len(c[1]) for c in cells))
-        w2 = max(len("value"), *(len(c[2]) for c in cells if not c[2].startswith("n/a")))
-        lines = [f"{'section':<{w0}}  {'metric':<{w1}}  {'value':>{w2}}  unit"]
-        lines += [f"{s:<{w0}}  {m:<{w1}}  {v:>{w2}}  {u}".rstrip() for s, m, v, u in cells]
-        return "\n".join(lines)
+        table = Table(("section", "<"), ("metric", "<"), ("value", _value), ("unit", "<"))
+        for row in sorted(self.rows, key=rank):  # stable within a section
+            table.add(*row)
+        table.print()
+
+
+def _value(v) -> str:
+    """A figure as the table shows it: yes/no, thousands separated, 1 to 3 decimals by magnitude."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
+    return str(v)
 
 
 # -- the measurements ------------------------------------------------------------------------------
@@ -294,7 +293,8 @@ class Bench:
               f"({slots * kv_bytes_per_token_of(self.model) / GiB:.2f} GiB)", "kv_held_slots", context)
         self.zero_prefill(runner, new, context, undo)
         del runner  # the re-prefill builds its own cache: do not hold two under the cap
-        again = self.reprefill_ms(ctx + new)
+        full = torch.tensor([ctx + new], device=self.device)
+        again = self.clock.median_ms(lambda: forward_alone(self.model, full), max(1, self.shapes.repeats // 2))
         r.add("hop", f"re-prefill, {context} ctx", again, "ms", "reprefill_ms", context)
         r.add("hop", f"re-prefill / splice, {context} ctx", again / splice, "x", "reprefill_over_splice", context)
 
@@ -322,14 +322,8 @@ class Bench:
             metric = f"{label}, {context} ctx"
             try:
                 ms = self.clock.median_ms(hop, self.shapes.repeats, reset=undo)
-            except torch.cuda.OutOfMemoryError as e:  # report it, and go on to the re-prefill
-                self.oom = True
-                self.report.missing("zero-prefill", metric, f"{key}_ms", f"out of memory under the cap: "
-                                    f"{str(e).splitlines()[0]}", context)
-                return
-            except Exception as e:  # noqa: BLE001 - the hop's re-prefill rows still follow (the row is dropped)
-                traceback.print_exc(file=sys.stderr)
-                self.report.missing("zero-prefill", metric, f"{key}_ms", f"failed: {type(e).__name__}: {e}", context)
+            except Exception as e:  # noqa: BLE001 - reported; the hop's re-prefill rows still follow
+                self.report.missing("zero-prefill", metric, f"{key}_ms", self.failure(e), context)
                 return
             self.report.add("zero-prefill", metric, ms, f"ms ({n - recompute} of {n} tokens reused)", f"{key}_ms",
                             context)
@@ -365,15 +359,6 @@ class Bench:
             return
         self.report.add(section, metric, device_syncs(hop), "syncs", key, context)
         undo()
-
-    def reprefill_ms(self, ids: list[int]) -> float:
-        """What string-based RIG does at a hop: one forward over everything, from an empty cache."""
-        full = torch.tensor([ids], device=self.device)
-
-        def forward():
-            self.model(input_ids=full, cache=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
-
-        return self.clock.median_ms(forward, max(1, self.shapes.repeats // 2))
 
     def evict(self) -> None:
         """Drop a block-sized span from the middle of a row: every key after it is re-rotated."""
@@ -463,18 +448,24 @@ class Bench:
         """The planner's figures for the cap minus the index (``rig plan``), computed once (after
         the index section)."""
         if self._planned is None:
-            self._planned = self._plan_for(self.shapes.cap_bytes - max(self.index_bytes, self.index_outside_torch))
+            gpu_bytes = self.shapes.cap_bytes - max(self.index_bytes, self.index_outside_torch)
+            quant = "none" if self.quant is None else self.quant.bnb_4bit_quant_type
+            dtype = str(self.dtype).removeprefix("torch.")
+            with tempfile.TemporaryDirectory() as tmp:
+                model = self.shapes.plan_model or str(Path(tmp) / "config.json")
+                if not self.shapes.plan_model:
+                    qwen2_config(self.shapes.config).to_json_file(model)
+                self._planned = plan_memory(model, gpu_bytes, quant, dtype, dtype)
         return self._planned
 
-    def _plan_for(self, gpu_bytes: int):
-        quant = "none" if self.quant is None else self.quant.bnb_4bit_quant_type
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
-        if self.shapes.plan_model:
-            return plan_memory(self.shapes.plan_model, gpu_bytes, quant, dtype, dtype)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "config.json"
-            qwen2_config(self.shapes.config).to_json_file(path)
-            return plan_memory(str(path), gpu_bytes, quant, dtype, dtype)
+    def failure(self, e: Exception) -> str:
+        """What a failed measurement reports: out of memory under the cap (which the memory section
+        then notes), or the error, its traceback on stderr."""
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            self.oom = True
+            return f"out of memory under the cap: {str(e).splitlines()[0]}"
+        traceback.print_exc(file=sys.stderr)
+        return f"{type(e).__name__}: {e}"
 
     def _try_allocate(self, nbytes: int) -> bool:
         torch.cuda.empty_cache()
@@ -502,11 +493,7 @@ def load_reranker():
 
 def resolve(args):
     """(device, shapes, quantisation config or None, compute dtype) for the command line."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available")
-    kind = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    # CUDA memory calls (the cap, peak statistics) want an explicit device index.
-    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    device = pick_device(args.device)
     shapes = SMALL if args.small or device.type == "cpu" else LARGE
     quant = None
     if args.quant == "nf4" or (args.quant == "auto" and device.type == "cuda"):
@@ -589,26 +576,11 @@ def run_section(bench: Bench, name: str, fn, needs_model: bool) -> None:
     try:
         with torch.no_grad():
             fn()
-    except torch.cuda.OutOfMemoryError as e:
-        bench.oom = True
-        bench.report.failed(name, f"out of memory under the cap: {str(e).splitlines()[0]}")
     except Exception as e:  # noqa: BLE001 - one failed section must not lose the others' figures
-        traceback.print_exc(file=sys.stderr)
-        bench.report.failed(name, f"{type(e).__name__}: {e}")
+        bench.report.failed(name, bench.failure(e))
     gc.collect()  # hand back what the section held before the next one allocates under the cap
     if bench.device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def rounded(obj):
-    """Floats to 4 decimals, throughout nested dicts and lists."""
-    if isinstance(obj, float):
-        return round(obj, 4)
-    if isinstance(obj, dict):
-        return {k: rounded(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [rounded(v) for v in obj]
-    return obj
 
 
 def main(argv=None) -> int:
@@ -641,7 +613,7 @@ def main(argv=None) -> int:
         complete = False
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(report.table())
+    report.print()
     result = {
         "bench": "gpu",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -656,7 +628,7 @@ def main(argv=None) -> int:
         "elapsed_s": round(time.perf_counter() - t0, 1),
         "complete": complete,
     }
-    print(json.dumps(rounded(result)))
+    emit(result, digits=4)
     return 1 if report.errors or not complete else 0
 
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import emit, fields  # bench/ is on sys.path when run as a script
+
 PRODUCTS = ["Helios Gateway", "Nimbus Queue", "Atlas Store", "Vega Cache", "Orion Mesh"]
 SYMPTOMS = ["timeouts under load", "a crash on startup", "stale reads after failover", "memory growth",
             "TLS handshake failures", "duplicate deliveries", "slow queries", "lost metrics"]
@@ -99,11 +101,9 @@ def main(argv=None) -> int:
             ("rig ask seconds (incl. load)", round(ask_s, 1)), ("rig ask hops", len(hops)),
             ("rig ask queries", [h["query"] for h in hops]),
             ("target ticket in the model's hops", found)]
-    for k, v in rows:
-        print(f"{k:<40} {v}")
-    print(json.dumps({"bench": "ingest", **{k.split(" (")[0].replace(" ", "_").replace(":", ""): v for k, v in rows},
-                      "ask_rc": ask.returncode, "question": question, "expected": version,
-                      "answer": answer.get("answer")}))
+    fields(dict(rows))
+    emit({"bench": "ingest", **{k.split(" (")[0].replace(" ", "_").replace(":", ""): v for k, v in rows},
+          "ask_rc": ask.returncode, "question": question, "expected": version, "answer": answer.get("answer")})
     return 0 if ask.returncode == 0 else 1
 
 

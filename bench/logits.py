@@ -16,7 +16,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -26,7 +25,8 @@ from rig_decode.engine.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_hf import HFModelRunner
 from rig_decode.models.loader import load_model
 
-from timing import Clock  # bench/ is on sys.path when run as a script
+from harness import Table, emit  # bench/ is on sys.path when run as a script
+from timing import Clock
 
 
 def _rows(engine: RigEngine, batch: int, prompt: list[int]):
@@ -85,11 +85,12 @@ def main(argv=None) -> int:
         print(f"batch {batch}: processors {p_ms:.2f} ms, forward {f_ms:.1f} ms", file=sys.stderr)
     print(f"model {args.model}, vocab {vocab_size}, context {args.context}, "
           f"{len(engine.processors)} processors, CPU threads {torch.get_num_threads()}\n")
-    print(f"| batch | processors ms | forward ms | processors share of the step |")
-    print("|---:|---:|---:|---:|")
+    table = Table("batch", ("processors ms", "{:.2f}"), ("forward ms", "{:.1f}"),
+                  ("processors share of the step", "{:.1%}"), markdown=True)
     for r in results:
-        print(f"| {r['batch']} | {r['processors_ms']:.2f} | {r['forward_ms']:.1f} | {100 * r['share']:.1f}% |")
-    print(json.dumps({"bench": "logits", "model": args.model, "context": args.context, "results": results}))
+        table.add(r["batch"], r["processors_ms"], r["forward_ms"], r["share"])
+    table.print()
+    emit({"bench": "logits", "model": args.model, "context": args.context, "results": results})
     return 0
 
 

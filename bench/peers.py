@@ -60,11 +60,15 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from rig_decode.eval.metrics import contains_answer, percentile
 from rig_decode.evidence import EvidenceFormatter, number_hits
 from rig_decode.markers import MarkerMatcher, MarkerSpec, MarkerVocab
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script (the tests load this file)
+from harness import Table, emit  # noqa: E402
 
 SYSTEMS = ("rig-hf", "rig-vllm-stream", "rig-vllm-prefix", "rig-llama", "resubmit-vllm", "resubmit-llama")
 REFERENCE = "rig-hf"
@@ -497,7 +501,7 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:g}" if isinstance(v, (int, float)) else str(v)
 
 
-def print_report(result: dict, out=sys.stdout) -> None:
+def print_report(result: dict, out=None) -> None:
     cs = result["concurrency"]
     hi = max(cs)
     print(f"{result['questions']} questions (>= {result['min_hops']} gold hops) of {result['dataset']}, "
@@ -508,13 +512,13 @@ def print_report(result: dict, out=sys.stdout) -> None:
             + [(f"tok/s c{c}", f"tok_s_c{c}") for c in cs]
             + [(f"p95 ms c{hi}", "p95_ms"), ("retok", "retokenized"), ("same ans", "same_answers"),
                ("acc", "accuracy")])
-    print(f"{'system':<16} " + " ".join(f"{h:>11}" for h, _ in cols), file=out)
+    table = Table(("system", "<"), *((h, _fmt) for h, _ in cols))
     for name, s in result["systems"].items():
         if "skipped" in s or "error" in s:
-            why = s.get("skipped") or s.get("error")
-            print(f"{name:<16} {'skipped' if 'skipped' in s else 'error'}: {why}", file=out)
-            continue
-        print(f"{name:<16} " + " ".join(f"{_fmt(s.get(k)):>11}" for _, k in cols), file=out)
+            table.add(name, f"{'skipped' if 'skipped' in s else 'error'}: {s.get('skipped') or s.get('error')}")
+        else:
+            table.add(name, *(s.get(k) for _, k in cols))
+    table.print(out)
     r = result.get("ratios") or {}
     if any(v is not None for v in r.values()):
         per_hop = ", ".join(f"c{c} {_fmt(r.get(f'per_hop_c{c}'))}x" for c in cs)
@@ -802,7 +806,7 @@ def main(argv=None) -> int:
                          model=f"{cfg.model.name} (adapter: {adapter})",
                          search_calls=retriever.calls)
     print_report(result)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

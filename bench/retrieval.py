@@ -16,7 +16,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 from rig_decode.config import RerankerConfig, RetrieverConfig
 from rig_decode.eval.datasets import load_dataset
 from rig_decode.retrieval.factory import build_retriever
+
+from harness import Table, emit  # bench/ is on sys.path when run as a script
 
 KS = (2, 5, 10)
 BATCHES = (1, 8, 32)
@@ -90,17 +91,17 @@ def main(argv=None) -> int:
             rows[name].update({f"ms@{b}": ms_per_query(r, questions, b) for b in BATCHES})
             print(f"[bench] {name} done", file=sys.stderr, flush=True)
     print(f"{len(examples)} questions, {len(corpus)} paragraphs; recall of supporting paragraphs, ms per query")
-    print(f"{'method':<28}" + "".join(f"{'recall@' + str(k):>11}" for k in KS)
-          + "".join(f"{'ms/q @' + str(b):>11}" for b in BATCHES))
+    table = Table(("method", "<"), *((f"recall@{k}", "{:.3f}") for k in KS),
+                  *((f"ms/q @{b}", "{:.2f}") for b in BATCHES))
     for name, m in rows.items():
-        print(f"{name:<28}" + "".join(f"{m[f'recall@{k}']:>11.3f}" for k in KS)
-              + "".join(f"{m[f'ms@{b}']:>11.2f}" for b in BATCHES))
-    print(json.dumps({
+        table.add(name, *(m[f"recall@{k}"] for k in KS), *(m[f"ms@{b}"] for b in BATCHES))
+    table.print()
+    emit({
         "bench": "retrieval", "questions": len(examples), "paragraphs": len(corpus),
         "recall@5": {n: round(m["recall@5"], 4) for n, m in rows.items()},
         "ms_per_query": {str(b): {n: round(m[f"ms@{b}"], 3) for n, m in rows.items()} for b in BATCHES},
         "rows": rows,
-    }))
+    })
     return 0
 
 

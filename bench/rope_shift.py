@@ -23,7 +23,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from contextlib import contextmanager
@@ -33,7 +32,8 @@ import torch
 from rig_decode.engine.kv import resolve_architecture
 from rig_decode.kernels import has_triton, native, rope_shift_layers_
 
-from timing import Clock, device_syncs  # bench/ is on sys.path when run as a script
+from harness import Table, emit  # bench/ is on sys.path when run as a script
+from timing import Clock, device_syncs, pick_device
 
 ROPE_THETA = 10_000.0
 
@@ -81,10 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--span", type=int, default=256, help="tokens evicted / staged")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available")
-    kind = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    device = pick_device(args.device)
     cuda, clock = device.type == "cuda", Clock(device)
     context = args.context or (8192 if cuda else 2048)
     if not 0 < args.span < context:
@@ -99,9 +96,11 @@ def main(argv=None) -> int:
     print(f"[bench/kernels] {name}: {arch.num_hidden_layers} layers x {heads} KV heads x {dim}, "
           f"{str(dtype).removeprefix('torch.')} on {device}, {context} context, span {args.span}", file=sys.stderr)
 
-    rows_out, result = [], {"bench": "kernels", "model": name, "device": str(device) if not cuda else
-                            torch.cuda.get_device_name(device), "dtype": str(dtype).removeprefix("torch."),
-                            "layers": arch.num_hidden_layers, "context": context, "span": args.span, "ops": {}}
+    table = Table(("op", "<"), ("backend", "<"), ("positions", "{:,}"), ("ms", "{:.3f}"), ("GB/s", "{:.1f}"),
+                  ("max |diff| vs torch", "{:.2e}"), "syncs")
+    result = {"bench": "kernels", "model": name, "device": str(device) if not cuda else
+              torch.cuda.get_device_name(device), "dtype": str(dtype).removeprefix("torch."),
+              "layers": arch.num_hidden_layers, "context": context, "span": args.span, "ops": {}}
     for op, (rows, cols, shift) in cases(context, args.span).items():
         with forced("torch"):
             want = rope_shift_layers_([k.clone() for k in base], rows, cols, shift, inv_freq)
@@ -116,19 +115,17 @@ def main(argv=None) -> int:
                 ms = clock.median_ms(call, args.repeats)
                 syncs = device_syncs(call) if cuda else None
                 del work
-            rows_out.append((op, backend, rows.numel(), ms, moved / ms / 1e6, diff, syncs))
+            table.add(op, backend, rows.numel(), ms, moved / ms / 1e6, diff, syncs)
             result["ops"].setdefault(op, {"positions": rows.numel()})[backend] = {
                 "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 2), "max_abs_diff": diff, "syncs": syncs}
         del want
 
-    print(f"{'op':<6} {'backend':<8} {'positions':>9} {'ms':>9} {'GB/s':>8} {'max |diff| vs torch':>20} {'syncs':>6}")
-    for op, backend, n, ms, gbs, diff, syncs in rows_out:
-        print(f"{op:<6} {backend:<8} {n:>9,} {ms:>9.3f} {gbs:>8.1f} {diff:>20.2e} {'-' if syncs is None else syncs:>6}")
+    table.print()
     for op, per in result["ops"].items():
         fastest = min((b for b in per if b != "positions"), key=lambda b: per[b]["ms"])
         per["fastest"] = fastest
         per["speedup_vs_torch"] = round(per["torch"]["ms"] / per[fastest]["ms"], 2)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

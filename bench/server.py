@@ -27,7 +27,8 @@ import numpy as np
 from rig_decode.config import RigConfig
 from rig_decode.server import create_app
 from rig_decode.server.background import serve_in_thread
-from workload import QUESTIONS  # bench/ is on sys.path when run as a script
+from harness import emit, fields  # bench/ is on sys.path when run as a script
+from workload import QUESTIONS
 
 
 async def one(http: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int, hops: int) -> dict:
@@ -126,12 +127,11 @@ def main(argv=None) -> int:
            "hops": hops}
     print(f"{args.requests} streaming requests from {args.clients} concurrent clients, "
           f"{args.max_tokens} tokens max, 0-3 hops")
-    for k in ("completed", "errors", "lost", "duplicate_ids", "server_finished", "left_in_flight", "wall_s",
-              "tokens_per_s", "p50_ms", "p95_ms", "ttft_p50_ms", "hops"):
-        print(f"  {k:>15}: {row[k]}")
+    fields({k: row[k] for k in ("completed", "errors", "lost", "duplicate_ids", "server_finished", "left_in_flight",
+                                "wall_s", "tokens_per_s", "p50_ms", "p95_ms", "ttft_p50_ms", "hops")})
     for r in errors[:5]:
         print(f"  failed request {r['i']}: status {r['status']}, done {r['done']}, {r['error']}")
-    print(json.dumps({"bench": "server", **row}))
+    emit({"bench": "server", **row})
     return 0 if not errors and row["lost"] == 0 and row["duplicate_ids"] == 0 else 1
 
 

@@ -20,13 +20,10 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 
 import torch
-from transformers import DynamicCache
 
 from rig_decode.config import ModelConfig
 from rig_decode.engine.runner_hf import HFModelRunner
@@ -36,11 +33,8 @@ from rig_decode.markers import MarkerMatcher, MarkerSpec, MarkerVocab
 from rig_decode.models.loader import load_model
 from rig_decode.retrieval.base import Hit
 
-
-def _ms(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+from harness import Table, emit  # bench/ is on sys.path when run as a script
+from timing import Clock, forward_alone
 
 
 def bench_context(model, tok, vocab, context: int, evidence: int, repeats: int, seed: int = 0) -> dict:
@@ -84,33 +78,26 @@ def bench_context(model, tok, vocab, context: int, evidence: int, repeats: int, 
         model(input_ids=ids_new, position_ids=pos_new, cache=runner.cache, use_cache=True, logits_to_keep=1)
 
     full = torch.tensor([prefix + new_tokens], device=device)
-
-    @torch.no_grad()
-    def reprefill():
-        model(input_ids=full, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-
-    @torch.no_grad()
-    def no_context():
-        model(input_ids=ids_new, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-
+    clock = Clock(device)
     times = {"splice": [], "floor": [], "reprefill": [], "no_ctx": []}
     floor(), runner.cache.crop(-n_new)  # warm-up
+
     def timed_splice():
         seq = fresh_sequence()
-        times["splice"].append(_ms(lambda: splice(seq)))
+        times["splice"].append(clock.ms(lambda: splice(seq)))
         assert runner.lengths[0] == context + n_new
         runner.drop_last(n_new)
 
     def timed_floor():
-        times["floor"].append(_ms(floor))
+        times["floor"].append(clock.ms(floor))
         runner.cache.crop(-n_new)
 
     for i in range(repeats):  # alternate the order so drift favours neither
         for fn in (timed_splice, timed_floor) if i % 2 == 0 else (timed_floor, timed_splice):
             fn()
-        times["no_ctx"].append(_ms(no_context))
+        times["no_ctx"].append(clock.ms(lambda: forward_alone(model, ids_new)))
     for _ in range(max(1, repeats // 2)):
-        times["reprefill"].append(_ms(reprefill))
+        times["reprefill"].append(clock.ms(lambda: forward_alone(model, full)))
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"context": context, "new_tokens": n_new, **{f"{k}_ms": round(v, 2) for k, v in med.items()},
             "splice_over_floor": round(med["splice"] / med["floor"], 3),
@@ -129,27 +116,26 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, tok = load_model(ModelConfig(name=args.model))
     vocab = MarkerVocab(tok, MarkerSpec.special_token())
-    rows = []
     print(f"model {args.model} ({next(model.parameters()).dtype}, {torch.get_num_threads()} threads), "
           f"{args.evidence} evidence tokens + 1 pending end-marker token per hop", file=sys.stderr)
-    header = f"{'context':>8} {'splice ms':>10} {'floor ms':>9} {'reprefill ms':>13} {'no-ctx ms':>10} " \
-             f"{'splice/floor':>13} {'speedup vs reprefill':>21}"
-    print(header)
+    rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
-        r = bench_context(model, tok, vocab, ctx, args.evidence, args.repeats)
-        rows.append(r)
-        print(f"{r['context']:>8} {r['splice_ms']:>10.1f} {r['floor_ms']:>9.1f} {r['reprefill_ms']:>13.1f} "
-              f"{r['no_ctx_ms']:>10.1f} {r['splice_over_floor']:>12.3f}x {r['speedup_vs_reprefill']:>20.2f}x",
-              flush=True)
-    result = {
+        rows.append(bench_context(model, tok, vocab, ctx, args.evidence, args.repeats))
+        print(f"context {ctx}: done", file=sys.stderr, flush=True)
+    table = Table("context", ("splice ms", "{:.1f}"), ("floor ms", "{:.1f}"), ("reprefill ms", "{:.1f}"),
+                  ("no-ctx ms", "{:.1f}"), ("splice/floor", "{:.3f}x"), ("speedup vs reprefill", "{:.2f}x"))
+    for r in rows:
+        table.add(r["context"], r["splice_ms"], r["floor_ms"], r["reprefill_ms"], r["no_ctx_ms"],
+                  r["splice_over_floor"], r["speedup_vs_reprefill"])
+    table.print()
+    emit({
         "bench": "splice",
         "model": args.model,
         "evidence_tokens": args.evidence,
         "speedup_vs_reprefill": {str(r["context"]): r["speedup_vs_reprefill"] for r in rows},
         "splice_over_floor": {str(r["context"]): r["splice_over_floor"] for r in rows},
         "rows": rows,
-    }
-    print(json.dumps(result))
+    })
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Timing for the benchmarks: milliseconds of a callable, CUDA synchronised on both sides, and the
-device syncs a callable makes."""
+"""Timing for the benchmarks: milliseconds of a callable, CUDA synchronised on both sides, the
+device syncs a callable makes, the device to time on, and the re-prefill several of them time."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import time
 import warnings
 
 import torch
+from transformers import DynamicCache
+
+from rig_decode.models.cache_arg import cache_kw
 
 
 class Clock:
@@ -50,3 +53,20 @@ def device_syncs(fn) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def pick_device(choice: str) -> torch.device:
+    """The device for ``--device auto|cpu|cuda`` (auto: CUDA when there is one), CUDA with its
+    index (memory calls want one); exits when CUDA is asked for and missing."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@torch.no_grad()
+def forward_alone(model, ids: torch.Tensor) -> None:
+    """One forward over ``ids`` (``[1, n]``) from an empty cache, logits of the last token only: a
+    re-prefill, what string-based RIG systems pay at every hop."""
+    model(input_ids=ids, **cache_kw(DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from rig_decode.config import RigConfig
 from rig_decode.engine import EngineOptions, RigEngine
@@ -46,6 +46,9 @@ from rig_decode.evidence import EvidenceFormatter
 from rig_decode.markers import MarkerSpec
 from rig_decode.prompt import build_prompt
 from rig_decode.retrieval.base import Hit
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script (the tests load this file)
+from harness import Table, emit  # noqa: E402
 
 DEFAULT_MODELS = {"awq": "Qwen/Qwen2.5-32B-Instruct-AWQ", "nf4": "unsloth/Qwen2.5-32B-Instruct-bnb-4bit"}
 TOP_K = 3
@@ -229,22 +232,19 @@ def run(engine, api, tokenizer, loop, args) -> dict:
     return result
 
 
-def print_table(result: dict, out=sys.stdout) -> None:
-    print(f"{'mode':<10} {'hop':>3} {'rows':>4} {'hop ms':>9} {'cached':>8} {'evaluated':>9} {'evidence':>8}", file=out)
+def print_table(result: dict, out=None) -> None:
+    hops = Table(("mode", "<"), "hop", "rows", ("hop ms", "{:g}"), ("cached", "{:g}"), ("evaluated", "{:g}"),
+                 ("evidence", "{:g}"))
+    runs = Table(("mode", "<"), "decode tok/s", "wall s", "tokens", "calls")
     for mode, r in result["modes"].items():
         for h in r["hops"]:
-            print(f"{mode:<10} {h['hop']:>3} {h['rows']:>4} {_fmt(h['ms']):>9} {_fmt(h['cached']):>8} "
-                  f"{_fmt(h['evaluated']):>9} {_fmt(h['evidence_tokens']):>8}", file=out)
-    print(f"\n{'mode':<10} {'decode tok/s':>12} {'wall s':>8} {'tokens':>7} {'calls':>6}", file=out)
-    for mode, r in result["modes"].items():
-        print(f"{mode:<10} {r['decode_tok_s']:>12} {r['wall_s']:>8} {r['generated_tokens']:>7} {r['calls']:>6}",
-              file=out)
+            hops.add(mode, h["hop"], h["rows"], h["ms"], h["cached"], h["evaluated"], h["evidence_tokens"])
+        runs.add(mode, r["decode_tok_s"], r["wall_s"], r["generated_tokens"], r["calls"])
+    hops.print(out)
+    print(file=out)
+    runs.print(out)
     for mode, err in result["errors"].items():
         print(f"{mode}: error: {err}", file=out)
-
-
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:g}"
 
 
 def main(argv=None) -> int:
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         notice = "no CUDA device: this benchmark needs a GPU with vLLM installed; skipped"
         print(f"bench/vllm_gpu.py: {notice}", file=sys.stderr)
-        print(json.dumps({"bench": "vllm_gpu", "skipped": notice}))
+        emit({"bench": "vllm_gpu", "skipped": notice})
         return 0
     try:
         api = load_vllm_api()
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
         loop.close()
     result["model"] = model
     print_table(result)
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -14,7 +14,6 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -26,6 +25,8 @@ from rig_decode.markers import MarkerSpec
 from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 from rig_decode.prompt import build_prompt
+
+from harness import Table, emit  # bench/ is on sys.path when run as a script
 
 QUESTION = "Who makes the Lumora K7?"
 EVIDENCE = "[1] Lumora K7: The Lumora K7 is made by Vastrel.\n"
@@ -63,11 +64,11 @@ def main(argv=None) -> int:
         rows[name] = {str(L): round(((got[L].values[:, :, len(prefix):] - ref[L].values[:, :, at:]).norm()
                                      / ref[L].values[:, :, at:].norm()).item(), 3) for L in layers}
     print(f"layer-0 keys re-rotated to their in-context positions: max abs error {key_err:.2e}\n")
-    print("| evidence values computed | " + " | ".join(f"layer {L}" for L in layers) + " |")
-    print("|---|" + "---:|" * len(layers))
+    table = Table(("evidence values computed", "<"), *((f"layer {L}", "{:.0%}") for L in layers), markdown=True)
     for name, r in rows.items():
-        print(f"| {name} | " + " | ".join(f"{100 * r[str(L)]:.0f}%" for L in layers) + " |")
-    print(json.dumps({"bench": "zero_prefill_drift", "layer0_key_max_abs_error": key_err, "values_rel_l2": rows}))
+        table.add(name, *(r[str(L)] for L in layers))
+    table.print()
+    emit({"bench": "zero_prefill_drift", "layer0_key_max_abs_error": key_err, "values_rel_l2": rows})
     return 0
 
 

@@ -60,12 +60,12 @@ against the share recomputed, one line per selection.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
@@ -85,6 +85,9 @@ from rig_decode.models.loader import load_model
 from rig_decode.models.packed_attention import attention_implementation
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT, build_prompt
 from rig_decode.retrieval.base import Hit
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script (the tests load this file)
+from harness import Table, emit  # noqa: E402
 
 MASKED = "rig_select_masked"
 
@@ -369,12 +372,13 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     print(f"{n} held-out 1-hop questions, gold document {'first' if gold_first else 'at a random place'} of "
           f"{cases[0].documents if cases else 0}; exact splice: {100 * exact_gold / n:.1f}% of answers "
           "contain the gold answer\n")
-    print("| recompute | share of block recomputed | next-token agreement with exact | extra NLL / token | "
-          "identical continuation | gold answer |")
-    print("|---|---:|---:|---:|---:|---:|")
+    table = Table(("recompute", "<"), ("share of block recomputed", "{:.1f}%"),
+                  ("next-token agreement with exact", "{:.1f}%"), ("extra NLL / token", "{:.3f}"),
+                  ("identical continuation", "{:.1f}%"), ("gold answer", "{:.1f}%"), markdown=True)
     for name, r in rows.items():
-        print(f"| {name} | {r['recomputed_pct']:.1f}% | {r['top1_agreement_pct']:.1f}% | "
-              f"{r['extra_nll_per_token']:.3f} | {r['identical_pct']:.1f}% | {r['gold_answer_pct']:.1f}% |")
+        table.add(name, r["recomputed_pct"], r["top1_agreement_pct"], r["extra_nll_per_token"], r["identical_pct"],
+                  r["gold_answer_pct"])
+    table.print()
     worst_head = {f"deviation@{L}": max(r) for L, r in head_ranks.items() if r}
     for rule, rank in worst_head.items():
         print(f"\n{rule} ranks every piece's first token among the block's {rank + 1} most deviating tokens "
@@ -383,11 +387,11 @@ def report(model, tok, examples: int, shares: list[float], tokens: int, gold_fir
     if plot_path:
         plot(rows, shares, rules, plot_path, f"{n} held-out 1-hop questions, gold document "
              f"{'first' if gold_first else 'anywhere'}; exact splice: {100 * exact_gold / n:.0f}% right")
-    print(json.dumps({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
-                      **({"piece_prefix": piece_prefix} if prefix else {}), "doc_pieces": pieces,
-                      **({"piece_heads_worst_rank": worst_head} if worst_head else {}),
-                      "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
-                      "elapsed_s": round(time.perf_counter() - t0, 1)}))
+    emit({"bench": "zero_prefill_select", "examples": n, "gold": "first" if gold_first else "random",
+          **({"piece_prefix": piece_prefix} if prefix else {}), "doc_pieces": pieces,
+          **({"piece_heads_worst_rank": worst_head} if worst_head else {}),
+          "exact_gold_answer_pct": round(100 * exact_gold / n, 1), "variants": rows,
+          "elapsed_s": round(time.perf_counter() - t0, 1)})
     return 0
 
 
