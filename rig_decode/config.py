@@ -47,16 +47,18 @@ class ModelConfig(_Section):
 
 
 class RerankerConfig(_Section):
-    type: Literal["none", "cross-encoder", "flashrank"] = "none"
-    """``cross-encoder``: an ONNX cross-encoder in ``model_dir`` (``scripts/train_reranker.py``
-    writes one); ``flashrank``: ``model`` in flashrank's layout under ``model_dir``; ``none``:
-    fusion order."""
+    type: Literal["auto", "links", "none", "cross-encoder", "flashrank"] = "auto"
+    """``auto``: the shipped default, ``links`` (no model: the best hit, then the candidates whose
+    title it names); ``cross-encoder``: an ONNX cross-encoder in ``model_dir``
+    (``scripts/train_reranker.py`` writes one); ``flashrank``: ``model`` in flashrank's layout
+    under ``model_dir``; ``none``: fusion order."""
     model: str = "ms-marco-TinyBERT-L-2-v2"
     """The flashrank model's name (``type: flashrank`` only)."""
     model_dir: str | None = None
     """``cross-encoder``: the model's folder (required); ``flashrank``: the folder holding
     ``<model>/`` in flashrank's layout (default: <cache>/rerankers). Never downloaded."""
-    top_n: int = Field(3, ge=1)
+    top_n: int | None = Field(None, ge=1)
+    """Hits kept after reranking, at most; None: as many as the search asks for (``top_k``)."""
     candidates: int = Field(10, ge=1)
     budget_ms: float = Field(200.0, gt=0)
     """Per query: queries beyond what the budget predicts keep the fusion order (recorded)."""

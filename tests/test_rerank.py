@@ -7,10 +7,10 @@ import time
 import pytest
 
 from rig_decode.config import RerankerConfig, RetrieverConfig
-from rig_decode.retrieval.base import Hit, HitList, RetrievalError
+from rig_decode.retrieval.base import Document, Hit, HitList, RetrievalError
 from rig_decode.retrieval.dense import resolve_embedder
 from rig_decode.retrieval.factory import build_retriever
-from rig_decode.retrieval.rerank import CrossEncoderReranker, RerankingRetriever
+from rig_decode.retrieval.rerank import CrossEncoderReranker, LinkReranker, RerankingRetriever
 
 from .test_rerank_milvus import _tiny_cross_encoder
 
@@ -103,11 +103,24 @@ def test_a_missing_model_is_refused(tmp_path):
         RerankerConfig(type="cross-encoder")
 
 
+def _second_hop_keeps_the_fusion_order(session, budget: str) -> None:
+    """Two questions: the first hop measures the reranker (over ``budget``, noted); the next
+    question's hop keeps the fusion order, and its trace says so."""
+    try:
+        _, first = session.ask("Who founded the company that makes the Brisa T4?")
+        assert f"over the {budget} ms budget" in first.retrieval_steps[0].info["rerank"]
+        _, later = session.ask("In which city is the maker of the Lumora K7?")
+        step = later.retrieval_steps[0]
+        assert step.fallback == "fusion order (rerank over budget)" and step.docs
+        assert step.info["rerank"].startswith("skipped: predicted")
+    finally:
+        session.close()
+
+
 @pytest.mark.real_model
 def test_a_budget_the_reranker_cannot_meet_falls_back_in_the_hops_trace(real, tiny):
     """The embedded model and the demo retriever with a cross-encoder under a 1 ms budget that
-    each query's passages take longer than: the first hop measures the reranker (over budget,
-    noted); every later hop keeps the fusion order, and its trace says so."""
+    each query's passages take longer than."""
     from rig_decode import RigConfig, RigSession
 
     class Slow(CrossEncoderReranker):
@@ -115,15 +128,55 @@ def test_a_budget_the_reranker_cannot_meet_falls_back_in_the_hops_trace(real, ti
             time.sleep(0.01)
             return super().score(pairs)
 
-    cfg = RigConfig().updated(model={"max_tokens": 16}, rig={"retrieve_first": True})
+    cfg = RigConfig().updated(model={"max_tokens": 16}, rig={"retrieve_first": True},
+                              retriever={"reranker": {"type": "none"}})
     r = RerankingRetriever(build_retriever(cfg.retriever), Slow(tiny), top_n=3, candidates=10, budget_ms=1.0)
-    session = RigSession(cfg, retriever=r)
-    try:
-        _, first = session.ask("Who founded the company that makes the Brisa T4?")
-        assert "over the 1 ms budget" in first.retrieval_steps[0].info["rerank"]
-        _, later = session.ask("In which city is the maker of the Lumora K7?")
-        step = later.retrieval_steps[0]
-        assert step.fallback == "fusion order (rerank over budget)" and step.docs
-        assert step.info["rerank"].startswith("skipped: predicted")
-    finally:
-        session.close()
+    _second_hop_keeps_the_fusion_order(RigSession(cfg, retriever=r), "1")
+
+
+LEAD = Hit("kiss", "Kiss and Tell is a 1945 film starring Shirley Temple as Corliss Archer.", 0.9, title="Kiss and Tell")
+
+
+def _hits(*titles):
+    return [LEAD] + [Hit(f"d{i}", f"text {i}", 0.8 - i / 10, title=t) for i, t in enumerate(titles)]
+
+
+def test_the_link_reranker_moves_up_what_the_best_hit_names():
+    hits = _hits("Meet Corliss Archer", "Shirley Temple", "Janet Waldo", "Corliss Archer (film)")
+    ranked = LinkReranker().rerank("What position did the star of Kiss and Tell hold?", hits, top_n=4)
+    # the best hit stays first; the titles its text names come next, each group in fusion order
+    assert [h.doc_id for h in ranked] == ["kiss", "d1", "d3", "d0"]
+    assert ranked[1].metadata["linked_from"] == "kiss" and "linked_from" not in ranked[3].metadata
+    assert ranked[1].score == hits[2].score and ranked[1].text == hits[2].text
+
+
+def test_the_link_reranker_matches_whole_titles_only():
+    # a title inside a longer word, a title too short to mean anything, no title: none is named
+    hits = _hits("Temp", "Is", None, "Shirley Temple Black")
+    assert LinkReranker().rerank("q", hits, top_n=5) == hits
+    assert LinkReranker().rerank("q", hits[:2], top_n=5) == hits[:2]  # nothing to reorder
+
+
+def test_the_default_reranker_ships_and_keeps_as_many_hits_as_asked(tmp_path):
+    assert RerankerConfig().type == "auto"
+    docs = [Document("kiss", LEAD.text, "Kiss and Tell"), Document("meet", "Meet Corliss Archer was a radio show.",
+            "Meet Corliss Archer"), Document("st", "Shirley Temple, who played Archer, was later a diplomat.", "Shirley Temple")]
+    r = build_retriever(RetrieverConfig(type="bm25", score_threshold=-1.0), cache_dir=tmp_path, corpus=docs)
+    assert isinstance(r, RerankingRetriever) and isinstance(r.reranker, LinkReranker)
+    [hits] = r.search_batch(["Kiss and Tell Corliss Archer"], 3)
+    assert [h.doc_id for h in hits] == ["kiss", "st", "meet"] and hits.info["rerank"].startswith("3 -> 3")
+    plain = build_retriever(RetrieverConfig(type="bm25", score_threshold=-1.0, reranker={"type": "none"}),
+                            cache_dir=tmp_path, corpus=docs)
+    assert not isinstance(plain, RerankingRetriever)
+    assert [h.doc_id for h in plain.search_batch(["Kiss and Tell Corliss Archer"], 3)[0]] == ["kiss", "meet", "st"]
+
+
+@pytest.mark.real_model
+def test_the_default_reranker_under_a_budget_it_cannot_meet_falls_back_in_the_hops_trace(real):
+    """The embedded model, the demo retriever and the shipped reranker with a budget no reranker
+    meets."""
+    from rig_decode import RigConfig, RigSession
+
+    cfg = RigConfig().updated(model={"max_tokens": 16}, rig={"retrieve_first": True},
+                              retriever={"reranker": {"budget_ms": 1e-6}})
+    _second_hop_keeps_the_fusion_order(RigSession(cfg), "1e-06")

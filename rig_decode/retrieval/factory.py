@@ -56,9 +56,11 @@ def _rerank(retriever: Retriever, cfg: RetrieverConfig, cache: Path) -> Retrieve
     rc = cfg.reranker
     if rc.type == "none":
         return retriever
-    from .rerank import CrossEncoderReranker, FlashRankReranker, RerankingRetriever
+    from .rerank import CrossEncoderReranker, FlashRankReranker, LinkReranker, RerankingRetriever
 
-    if rc.type == "flashrank":
+    if rc.type in ("auto", "links"):
+        reranker = LinkReranker()
+    elif rc.type == "flashrank":
         reranker = FlashRankReranker(rc.model, rc.model_dir or cache / "rerankers")
     else:
         reranker = CrossEncoderReranker(rc.model_dir)
