@@ -150,6 +150,13 @@ def test_the_link_reranker_moves_up_what_the_best_hit_names():
     assert ranked[1].score == hits[2].score and ranked[1].text == hits[2].text
 
 
+def test_the_link_reranker_moves_up_two_named_candidates_at_most():
+    lead = Hit("index", "Meet Corliss Archer, Shirley Temple, Janet Waldo and Kiss and Tell.", 0.9, title="Index")
+    hits = [lead, *_hits("Other", "Shirley Temple", "Janet Waldo", "Meet Corliss Archer")[1:]]
+    # the first two named move up; the third keeps its fusion place among the rest
+    assert [h.doc_id for h in LinkReranker().rerank("q", hits, top_n=5)] == ["index", "d1", "d2", "d0", "d3"]
+
+
 def test_the_link_reranker_matches_whole_titles_only():
     # a title inside a longer word, a title too short to mean anything, no title: none is named
     hits = _hits("Temp", "Is", None, "Shirley Temple Black")

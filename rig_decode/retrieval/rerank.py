@@ -10,10 +10,10 @@ that raises falls back the same way.
 Rerankers:
 
 * ``LinkReranker`` (the default, ``type: auto`` or ``links``): listwise, no model. The best hit
-  stays first; the candidates whose title its text names come next, then the rest, each group in
-  fusion order. A question's first document names the entity its answer is about (the bridge of a
+  stays first; the candidates whose title its text names come next (two at most), then the rest,
+  each group in fusion order. A question's first document names the entity its answer is about (the bridge of a
   multi-hop question), whose own document the question itself rarely names: on HotpotQA and MuSiQue
-  questions that lifts recall@2 by 0.07-0.10 and recall@5 by 0.04-0.11 (docs/benchmarks.md,
+  questions that lifts recall@2 by 0.07-0.10 and recall@5 by 0.04-0.12 (docs/benchmarks.md,
   "Retrieval"). Candidates without a title, or whose title the best hit does not name, keep their
   order.
 * ``CrossEncoderReranker``: a cross-encoder exported to ONNX, run with onnxruntime
@@ -59,20 +59,22 @@ def _reordered(hits: list[Hit], scores, top_n: int) -> list[Hit]:
 
 class LinkReranker:
     """The best hit, then the candidates whose title it names (as a whole word, any case, without a
-    trailing disambiguation such as "(film)"), then the rest; each group in fusion order."""
+    trailing disambiguation such as "(film)"), at most ``MAX_LINKED`` of them, then the rest; each
+    group in fusion order."""
 
     name = "links"
     MIN_TITLE_CHARS = 3  # shorter titles name too much by chance
+    MAX_LINKED = 2  # a hit that names many titles (an index page) must not push every other candidate out
 
     def rerank(self, query: str, hits: list[Hit], top_n: int) -> list[Hit]:
         if len(hits) < 3:
             return hits[:top_n]
         lead = hits[0]
-        named, rest = [], []
-        for h in hits[1:]:
-            (named if h.doc_id != lead.doc_id and _names(lead.text, h.title) else rest).append(h)
+        named = [i for i, h in enumerate(hits[1:], 1) if h.doc_id != lead.doc_id and _names(lead.text, h.title)]
+        named = named[: self.MAX_LINKED]
         linked = [Hit(h.doc_id, h.text, h.score, h.title, dict(h.metadata, linked_from=lead.doc_id), h.source)
-                  for h in named]
+                  for h in (hits[i] for i in named)]
+        rest = [h for i, h in enumerate(hits[1:], 1) if i not in named]
         return [lead, *linked, *rest][:top_n]
 
     def rerank_batch(self, queries: list[str], hits: list[list[Hit]], top_n: int) -> list[list[Hit]]:
