@@ -42,6 +42,17 @@ def test_rig_ask_prints_the_answer_and_no_third_party_noise():
     assert "hops," in out.stdout and "tokens generated" in out.stdout
 
 
+def test_rig_index_build_prints_no_third_party_noise(tmp_path):
+    """The embedding model alone (no decoder loaded): sentence-transformers imports peft, and so
+    bitsandbytes, on its own."""
+    (tmp_path / "kb").mkdir()
+    (tmp_path / "kb" / "alpha.md").write_text("# Alpha\nAlpha is a test document.\n")
+    out = _run("-m", "rig_decode.cli", "index", "build", "--input", str(tmp_path / "kb"), "--out", str(tmp_path / "index"))
+    assert out.returncode == 0, out.stderr
+    assert '"documents": 1' in out.stdout
+    assert not [line for line in out.stderr.splitlines() if NOISE.search(line)], out.stderr
+
+
 def test_starting_rig_does_not_import_bitsandbytes():
     """bitsandbytes is imported for `quantization: nf4` only (or by peft, for an adapter)."""
     code = ("import sys; import rig_decode.cli, rig_decode.session, rig_decode.models.loader, rig_decode.train.lora; "

