@@ -77,9 +77,6 @@ class LinkReranker:
         rest = [h for i, h in enumerate(hits[1:], 1) if i not in named]
         return [lead, *linked, *rest][:top_n]
 
-    def rerank_batch(self, queries: list[str], hits: list[list[Hit]], top_n: int) -> list[list[Hit]]:
-        return [self.rerank(q, hs, top_n) for q, hs in zip(queries, hits)]
-
 
 def _names(text: str, title: str | None) -> bool:
     """Whether ``text`` names ``title`` (without a trailing parenthesis) as a whole word, any case."""

@@ -135,9 +135,6 @@ def forward_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
     from ..models.quiet import quiet_peft
 
-    with quiet_peft():
-        from peft import LoraConfig, get_peft_model
-
     tokens = None
     if token_ids:  # the new rows train; an untied output matrix needs its rows trained too
         tokens = {"embed_tokens": token_ids}
@@ -145,10 +142,12 @@ def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
             tokens["lm_head"] = token_ids
     n_layers = model.config.num_hidden_layers
     first = cfg.first_lora_layer(n_layers)
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, task_type="CAUSAL_LM",
-                      target_modules=list(cfg.target_modules), trainable_token_indices=tokens,
-                      layers_to_transform=list(range(first, n_layers)) if first else None)
     with quiet_peft():
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, task_type="CAUSAL_LM",
+                          target_modules=list(cfg.target_modules), trainable_token_indices=tokens,
+                          layers_to_transform=list(range(first, n_layers)) if first else None)
         return get_peft_model(model, lora)
 
 
@@ -229,10 +228,10 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
                 progress(step + 1, result.losses[-1], rate * (cfg.steps - step - 1))
         if state_file is not None and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
             save_state(state_file, {"identity": identity, "params": {n: p.detach().clone() for n, p in named},
-                                     "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                                     "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "queue": queue,
-                                     "losses": list(result.losses), "running": list(running), "step": step + 1,
-                                     "seconds": before + time.perf_counter() - t0})
+                                    "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                                    "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "queue": queue,
+                                    "losses": list(result.losses), "running": list(running), "step": step + 1,
+                                    "seconds": before + time.perf_counter() - t0})
     model.eval()
     if stop is not None:
         stop.remove()
