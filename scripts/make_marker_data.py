@@ -17,7 +17,12 @@ answers that end with their document's number.
 
 ``--templates`` keeps only the traces of those question templates (``{split}-focus-{variant}.jsonl``;
 every question is still built, in order, so each kept trace equals its twin in the full file): the
-third training stage repeats the questions whose last hop is a city or a country.
+third training stage repeats the questions whose last hop is a city or a country. ``--kinds`` does
+the same by question kind (``chain``, ``compare``, ``yesno``, ``no_retrieval``; the wide worlds'
+records carry it), into ``{split}-kinds-{kind+kind}-{variant}.jsonl``: comparisons and yes/no
+questions over two chains as a focus set. ``--balance-yes-no`` keeps no more yes/no questions
+answered "no" than "yes" (the first in order; ``...-balanced-{variant}.jsonl``): the wide worlds ask
+about 60 % "no", and a model trained on that answers "no" without reading the evidence.
 
 ``--held-out DIR`` drops every question that names an entity of another ``rig synth`` folder's dev or
 test world (counted), so the train split of a second world (``rig synth --seed 1``) can add
@@ -43,6 +48,9 @@ from rig_decode.retrieval.factory import build_retriever
 from rig_decode.train.conversations import ConversationTraceBuilder
 from rig_decode.train.data import PATHS, TraceBuilder
 
+KINDS = ("chain", "compare", "yesno", "no_retrieval")
+"""Question kinds of the wide worlds' records (``eval/world_questions.py``)."""
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -58,6 +66,10 @@ def main(argv=None) -> int:
     ap.add_argument("--conversations", action="store_true", help="multi-turn traces from conversations-{split}.jsonl")
     ap.add_argument("--cite", action="store_true", help="with --conversations: also the citing variant")
     ap.add_argument("--templates", help="comma-separated question templates: write only their traces (a focus set)")
+    ap.add_argument("--kinds", help="comma-separated question kinds (chain, compare, yesno, no_retrieval): "
+                                    "write only their traces (a focus set)")
+    ap.add_argument("--balance-yes-no", action="store_true",
+                    help='keep no more yes/no questions answered "no" than "yes" (the first in order)')
     ap.add_argument("--held-out", help="a `rig synth` folder whose dev/test entities must stay unseen: "
                                        "questions naming one are dropped")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
@@ -71,6 +83,11 @@ def main(argv=None) -> int:
         ap.error("--templates selects single-turn questions; conversations have no templates")
     if focus and (unknown := focus - set(PATHS)):
         ap.error(f"unknown templates {sorted(unknown)} (known: {', '.join(PATHS)})")
+    kinds = set(args.kinds.split(",")) if args.kinds else None
+    if kinds and (unknown := kinds - set(KINDS)):
+        ap.error(f"unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
+    if kinds and (focus or args.conversations):
+        ap.error("--kinds selects single-turn questions by kind: not with --templates or --conversations")
     if args.held_out and not (Path(args.held_out) / "corpus.jsonl").is_file():
         ap.error(f"--held-out {args.held_out}: no corpus.jsonl there; give the folder `rig synth` wrote")
     held_out = held_out_names(args.held_out) if args.held_out else set()
@@ -98,23 +115,37 @@ def main(argv=None) -> int:
                 continue
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                    top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
-            path = out / f"{split}{'-focus' if focus else ''}-{variant}.jsonl"
+            tag = "-focus" if focus else f"-kinds-{'+'.join(sorted(kinds))}" if kinds else ""
+            tag += "-balanced" if args.balance_yes_no else ""
+            path = out / f"{split}{tag}-{variant}.jsonl"
             written: Counter[str] = Counter()  # kinds of the traces written
+            keep_no = _yes_count(records) if args.balance_yes_no else len(records)
             with path.open("w", encoding="utf-8") as f:
                 for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr):
                     trace = builder.build(rec)
-                    if trace is not None and (focus is None or rec.get("template") in focus):
-                        f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
-                        written[trace.kind] += 1
+                    if trace is None or (focus and rec.get("template") not in focus) \
+                            or (kinds and rec.get("kind") not in kinds):
+                        continue
+                    if rec.get("kind") == "yesno" and rec["answer"] == "no":
+                        if keep_no == 0:
+                            continue
+                        keep_no -= 1
+                    f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
+                    written[trace.kind] += 1
             n = written.total()
             stats[path.stem] = {"built": builder.stats.built, "written": n, "skipped": builder.stats.skipped,
                                 "kinds": dict(written)}
             print(f"{path}: wrote {n} of {builder.stats.built} traces built ({builder.stats.skipped} questions skipped), "
                   f"{dict(written)}", file=sys.stderr)
-    name = "stats-conversations.json" if args.conversations else "stats-focus.json" if focus else "stats.json"
+    name = ("stats-conversations.json" if args.conversations else "stats-focus.json" if focus or kinds
+            else "stats.json")
     (out / name).write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({"marker_data": stats}))
     return 0
+
+
+def _yes_count(records: list[dict]) -> int:
+    return sum(r.get("kind") == "yesno" and r["answer"] == "yes" for r in records)
 
 
 def training_corpus(corpus: list) -> list:

@@ -21,6 +21,7 @@ import torch
 
 from rig_decode.markers import MarkerSpec
 from rig_decode.models.embedded import DEFAULT_MODEL
+from rig_decode.models.quiet import quiet_peft
 from rig_decode.prompt import without_cite_instruction
 from rig_decode.train.lora import TrainConfig, add_marker_tokens, load_base, save, train, wrap_lora
 
@@ -67,6 +68,12 @@ def main(argv=None) -> int:
                     help="fraction of decoder layers (from the top) that get LoRA; below them nothing trains")
     ap.add_argument("--max-len", type=int, default=defaults.max_len,
                     help="tokens per trace at most; a longer one is cut (counted): keep it above the longest trace")
+    ap.add_argument("--answer-weight", type=float, default=defaults.answer_weight,
+                    help="loss weight of the answer's tokens (after the last evidence) against 1 for markers "
+                         "and queries")
+    ap.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="split a batch of more tokens (rows x length) into parts with the same summed "
+                         "gradient: caps memory on long traces (about 6144 for 24 GB of RAM)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model, "
                                      "variant and --top-layers)")
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
         ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
     system_prompt = prompts.pop()
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
-                      top_layers=args.top_layers, max_len=args.max_len,
+                      top_layers=args.top_layers, max_len=args.max_len, answer_weight=args.answer_weight,
                       special_markers=variant == "special")
     torch.manual_seed(cfg.seed)
     model, tok = load_base(args.model)
@@ -101,9 +108,10 @@ def main(argv=None) -> int:
     if max(max(t["input_ids"]) for t in traces) >= len(tok):
         ap.error("the traces hold token ids beyond this tokenizer's vocabulary: wrong --model?")
     if args.resume:
-        from peft import PeftModel
+        with quiet_peft():
+            from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, args.resume, is_trainable=True)
+            model = PeftModel.from_pretrained(model, args.resume, is_trainable=True)
     else:
         model = wrap_lora(model, cfg, added or None)
     if cut := sum(len(t["input_ids"]) > cfg.max_len for t in traces):
@@ -119,7 +127,8 @@ def main(argv=None) -> int:
     checkpoint = Path(args.out) / "checkpoint"
     if (checkpoint / "state.pt").exists():
         print(f"[train] continuing from {checkpoint}", file=sys.stderr)
-    result = train(model, traces, pad, cfg, progress, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+    result = train(model, traces, pad, cfg, progress, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every,
+                   max_batch_tokens=args.max_batch_tokens)
     result.added_tokens = tok.convert_ids_to_tokens(added) if added else []
     kinds: dict[str, int] = {}
     for t in traces:

@@ -1,4 +1,5 @@
 import json
+import warnings
 from collections import Counter
 
 import pytest
@@ -15,6 +16,20 @@ def test_jsonl_dataset_and_sibling_corpus(tmp_path):
     ex, corpus = load_dataset(tmp_path / "q.jsonl")
     assert [e.id for e in ex] == ["a", "1"] and ex[1].answers == ["y", "z"] and ex[1].hops == 0
     assert [d.doc_id for d in corpus] == ["d1"]
+
+
+def test_questions_whose_documents_the_corpus_lacks_are_named(tmp_path):
+    """A question file beside another world's corpus (or a mix of worlds) would score its
+    retrieval 0 without a word: the loader says how many questions it affects."""
+    (tmp_path / "corpus.jsonl").write_text('{"id": "d1", "text": "x is here"}\n')
+    (tmp_path / "q.jsonl").write_text('{"question": "Q1?", "answer": "x", "supporting_docs": ["d1"]}\n'
+                                      '{"question": "Q2?", "answer": "y", "supporting_docs": ["d1", "elsewhere"]}\n')
+    with pytest.warns(UserWarning, match=r"1 of 2 questions .* name supporting documents that .* does not hold"):
+        load_dataset(tmp_path / "q.jsonl")
+    (tmp_path / "ok.jsonl").write_text('{"question": "Q1?", "answer": "x", "supporting_docs": ["d1"]}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_dataset(tmp_path / "ok.jsonl")
 
 
 @pytest.mark.parametrize("line, msg", [

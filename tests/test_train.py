@@ -19,7 +19,8 @@ from rig_decode.retrieval.ingest import Chunking, build_index  # noqa: E402
 from rig_decode.retrieval.store import IndexStore  # noqa: E402
 from rig_decode.train.data import TraceBuilder, variant_tokenizer  # noqa: E402
 from rig_decode.train.lora import (  # noqa: E402
-    IGNORE, TrainConfig, _stop_backprop_below, add_marker_tokens, collate, forward_loss, masked_loss, train, wrap_lora,
+    IGNORE, TrainConfig, _stop_backprop_below, add_marker_tokens, answer_start, collate, forward_loss, loss_weight,
+    masked_loss, micro_batches, train, wrap_lora,
 )
 
 from .helpers import ROOT, load_script, tiny_model, tiny_tokenizer  # noqa: E402
@@ -122,6 +123,8 @@ def test_make_marker_data_rejects_bad_selections(tmp_path, capsys):
     base = ["--synth", str(tmp_path), "--out", str(tmp_path / "out")]
     for extra, message in ((["--templates", "maker_hq,hq_moon"], "unknown templates ['hq_moon']"),
                            (["--templates", "maker_hq", "--conversations"], "conversations have no templates"),
+                           (["--kinds", "compare,riddle"], "unknown kinds ['riddle']"),
+                           (["--kinds", "compare", "--templates", "maker_hq"], "not with --templates"),
                            (["--held-out", str(tmp_path / "nowhere")], "no corpus.jsonl there")):
         with pytest.raises(SystemExit):
             script.main(base + extra)
@@ -140,6 +143,54 @@ def test_collate_and_loss_ignore_masked_tokens():
     predicting = (b["labels"][:, 1:] != IGNORE)
     grad_rows = logits.grad[:, :-1].abs().sum(-1) > 0
     assert torch.equal(grad_rows, predicting) and logits.grad[:, -1].abs().sum() == 0
+
+
+def test_answer_weight_scales_the_answer_tokens_in_the_loss():
+    """``answer_weight`` w: the answer (after the last unlabelled token) counts w times in the
+    weighted mean; at 1 the batch has no weights and the loss is the plain masked mean."""
+    batch = [{"input_ids": [5, 6, 7, 8, 9, 10], "mask": [0, 1, 1, 0, 1, 1]}, {"input_ids": [5, 6, 7], "mask": [0, 1, 1]}]
+    assert [answer_start(t["mask"]) for t in batch] == [4, 1] and answer_start([1, 1]) == 0
+    assert "weights" not in collate(batch, pad_id=0, max_len=16)
+    b = collate(batch, pad_id=0, max_len=16, answer_weight=3.0)
+    assert b["weights"][0].tolist()[:6] == [1, 1, 1, 1, 3, 3] and b["weights"][1].tolist()[:3] == [1, 3, 3]
+    tok = tiny_tokenizer()
+    model = tiny_model(len(tok))
+    hidden = model.get_decoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    labels = b["labels"][:, 1:]
+    keep = labels != IGNORE
+    ce = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][keep]).float(), labels[keep], reduction="none")
+    w = torch.tensor([1.0, 1.0, 3.0, 3.0, 3.0, 3.0])  # labelled tokens 6, 7 | 9, 10 (answer) ; 6, 7 (answer)
+    torch.testing.assert_close(forward_loss(model, b), (ce * w).sum() / w.sum())
+    plain = collate(batch, pad_id=0, max_len=16)
+    torch.testing.assert_close(forward_loss(model, plain), ce.mean())
+
+
+def test_micro_batches_give_the_whole_batchs_loss_and_gradient():
+    """A batch split by ``max_batch_tokens`` (parts cut to their own length) gets the same summed
+    loss and the same gradient as the whole batch, with and without answer weights."""
+    tok = tiny_tokenizer()
+    model = tiny_model(len(tok))
+    rng = random.Random(1)
+    traces = [{"input_ids": [rng.randrange(5, 60) for _ in range(n)], "mask": [0] * 3 + [1] * (n - 3)}
+              for n in (14, 12, 9, 6, 5)]
+    for weight in (1.0, 2.5):
+        batch = collate(traces, pad_id=0, max_len=32, answer_weight=weight)
+        parts = micro_batches(batch, max_tokens=30)  # 14 columns: two rows a part
+        assert [p["input_ids"].shape for p in parts] == [(2, 14), (2, 9), (1, 5)]
+        grads = []
+        for chunks in ([batch], parts):
+            model.zero_grad()
+            total, loss = loss_weight(batch), 0.0
+            for part in chunks:
+                part_loss = forward_loss(model, part, total)
+                part_loss.backward()
+                loss += part_loss.item()
+            grads.append((loss, [p.grad.clone() for p in model.parameters()]))
+        (whole, g_whole), (split, g_split) = grads
+        assert abs(whole - split) < 1e-5 and abs(whole - forward_loss(model, batch).item()) < 1e-5
+        for a, b in zip(g_whole, g_split):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert micro_batches(batch, None) == [batch] and len(micro_batches(batch, 10**6)) == 1
 
 
 def test_training_a_few_steps_lowers_the_loss(world):
@@ -192,6 +243,28 @@ def test_forward_loss_is_the_masked_loss_and_top_layers_stop_backprop():
     grads = {n: p.grad for n, p in model.named_parameters() if "trainable_tokens_delta" in n}
     assert any("lm_head" in n and g is not None and g.abs().sum() > 0 for n, g in grads.items())
     assert all(g is None or g.abs().sum() == 0 for n, g in grads.items() if "embed_tokens" in n)
+
+
+def test_continuing_an_every_layer_adapter_on_the_top_half_trains_only_the_top_half():
+    """``--resume`` of an adapter over every layer with ``--top-layers 0.5``: the lower layers'
+    LoRA weights are frozen (no gradient, no kept activations) and stay as they were."""
+    tok = tiny_tokenizer()
+    model = tiny_model(len(tok), layers=4)
+    model = wrap_lora(model, TrainConfig(rank=4, alpha=8, top_layers=1.0))
+    with torch.no_grad():  # LoRA B starts at zero: give every layer a non-trivial adapter first
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    rng = random.Random(0)
+    traces = [{"input_ids": [rng.randrange(5, 60) for _ in range(12)], "mask": [0] * 4 + [1] * 8} for _ in range(8)]
+    train(model, traces, 0, TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup=1, top_layers=0.5, seed=0))
+    moved = {int(n.split(".layers.")[1].split(".")[0]) for n, p in model.named_parameters()
+             if "lora_" in n and not torch.equal(p, before[n])}
+    assert moved == {2, 3}
+    frozen = {int(n.split(".layers.")[1].split(".")[0]) for n, p in model.named_parameters()
+              if "lora_" in n and not p.requires_grad}
+    assert frozen == {0, 1}  # no graph is kept through them
 
 
 def _rec(q) -> dict:

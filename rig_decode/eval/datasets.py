@@ -16,6 +16,7 @@ title across all records, become the corpus of the run, and the supporting title
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,4 +138,12 @@ def load_dataset(path: str | Path, limit: int | None = None) -> tuple[list[EvalE
     if hotpot:
         return examples, list(corpus.values())
     sibling = path.parent / "corpus.jsonl"
-    return examples, (load_documents(sibling) if sibling.is_file() and sibling != path else None)
+    if not sibling.is_file() or sibling == path:
+        return examples, None
+    corpus_docs = load_documents(sibling)
+    ids = {d.doc_id for d in corpus_docs}
+    if missing := sum(bool(set(ex.supporting_docs) - ids) for ex in examples):
+        warnings.warn(f"{missing} of {len(examples)} questions of {path} name supporting documents that "
+                      f"{sibling} does not hold: nothing can retrieve them (a dataset is evaluated over the "
+                      "corpus.jsonl in its own folder)", stacklevel=2)
+    return examples, corpus_docs

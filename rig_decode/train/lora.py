@@ -47,6 +47,12 @@ class TrainConfig:
     new marker tokens then learn only as outputs: tied rows from the output side, untied input rows
     keep their initialisation (the mean of the text they replace)."""
 
+    answer_weight: float = 1.0
+    """The weight in the loss of each answer token (what the model writes after its last evidence
+    block, or after the prompt when it does not search), against 1 for markers and queries. A
+    multi-hop trace labels some 30 tokens, and the one that decides a comparison or a yes/no
+    question is among the last few: above 1, the verdict counts for more than its share."""
+
     def first_lora_layer(self, n_layers: int) -> int:
         if not 0.0 < self.top_layers <= 1.0:
             raise ValueError(f"top_layers must be in (0, 1], got {self.top_layers}")
@@ -98,19 +104,31 @@ def add_marker_tokens(model, tokenizer, spec: MarkerSpec) -> list[int]:
     return ids
 
 
-def collate(batch: list[dict], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
-    """Right-padded ids, attention mask, and labels that are -100 wherever mask is 0 or padding."""
+def collate(batch: list[dict], pad_id: int, max_len: int, answer_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """Right-padded ids, attention mask, and labels that are -100 wherever mask is 0 or padding;
+    with ``answer_weight`` != 1, also per-token loss ``weights`` (``answer_start``)."""
     n = min(max_len, max(len(t["input_ids"]) for t in batch))
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
     attn = torch.zeros((len(batch), n), dtype=torch.long)
+    weights = torch.ones((len(batch), n))
     for i, t in enumerate(batch):
         x = torch.tensor(t["input_ids"][:n])
         m = torch.tensor(t["mask"][:n], dtype=torch.bool)
         ids[i, : len(x)] = x
         attn[i, : len(x)] = 1
         labels[i, : len(x)] = torch.where(m, x, torch.full_like(x, IGNORE))
-    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+        weights[i, answer_start(t["mask"]) :] = answer_weight
+    out = {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    if answer_weight != 1.0:
+        out["weights"] = weights
+    return out
+
+
+def answer_start(mask: list[int]) -> int:
+    """Where a trace's answer begins: after its last unlabelled token (the end of the last
+    evidence block, or of the prompt)."""
+    return max((k for k, v in enumerate(mask) if not v), default=-1) + 1
 
 
 def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -120,16 +138,43 @@ def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                              shift_labels.reshape(-1), ignore_index=IGNORE)
 
 
-def forward_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``masked_loss`` of the model on ``batch``, with the output projection applied only where a
-    label is kept: a trace's labelled tokens are a few dozen of its hundreds, and the projection
-    onto the vocabulary is a fifth of a small model's forward pass."""
+def forward_loss(model, batch: dict[str, torch.Tensor], total: float | None = None) -> torch.Tensor:
+    """``masked_loss`` of the model on ``batch`` (weighted by ``batch["weights"]`` where given),
+    with the output projection applied only where a label is kept: a trace's labelled tokens are a
+    few dozen of its hundreds, and the projection onto the vocabulary is a fifth of a small model's
+    forward pass. With ``total`` (``loss_weight`` of the whole batch this is a part of), the sum
+    divided by it: the parts' losses add up to the whole batch's."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = causal_lm.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE
     logits = causal_lm.get_output_embeddings()(hidden[:, :-1][keep])
-    return torch.nn.functional.cross_entropy(logits.float(), labels[keep])
+    losses = torch.nn.functional.cross_entropy(logits.float(), labels[keep], reduction="none")
+    if "weights" in batch:
+        losses = losses * batch["weights"][:, 1:][keep]
+    return losses.sum() / (loss_weight(batch) if total is None else total)
+
+
+def loss_weight(batch: dict[str, torch.Tensor]) -> float:
+    """What ``forward_loss`` divides by: the labelled tokens' weights summed."""
+    keep = batch["labels"][:, 1:] != IGNORE
+    return float(batch["weights"][:, 1:][keep].sum()) if "weights" in batch else float(keep.sum())
+
+
+def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int | None) -> list[dict[str, torch.Tensor]]:
+    """``batch`` split into runs of rows of at most ``max_tokens`` (rows x padded length; at least
+    one row each), each cut to its own longest row: a batch of long traces fits in memory while the
+    step's gradient stays the whole batch's."""
+    rows, width = batch["input_ids"].shape
+    if not max_tokens or rows * width <= max_tokens:
+        return [batch]
+    per = max(1, max_tokens // width)
+    parts = []
+    for i in range(0, rows, per):
+        part = {k: v[i : i + per] for k, v in batch.items()}
+        n = int(part["attention_mask"].sum(1).max())
+        parts.append({k: v[:, :n] for k, v in part.items()})
+    return parts
 
 
 def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
@@ -152,12 +197,16 @@ def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
 
 
 def _stop_backprop_below(model, cfg: TrainConfig):
-    """A hook that detaches the input of the first LoRA layer (None when every layer has LoRA)."""
+    """A hook that detaches the input of the first trained layer (None when every layer trains).
+    Weights below it (an adapter resumed from a run over more layers) are frozen: nothing there
+    would get a gradient, and a forward pass through trainable weights keeps its activations."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = causal_lm.get_decoder().layers
     first = cfg.first_lora_layer(len(layers))
     if first == 0:
         return None
+    for layer in layers[:first]:
+        layer.requires_grad_(False)
 
     def detach(_module, args, kwargs):
         if args:
@@ -168,7 +217,8 @@ def _stop_backprop_below(model, cfg: TrainConfig):
 
 
 def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=None,
-          checkpoint: Path | None = None, checkpoint_every: int = 25) -> TrainResult:
+          checkpoint: Path | None = None, checkpoint_every: int = 25,
+          max_batch_tokens: int | None = None) -> TrainResult:
     """Train ``model`` (already wrapped by ``wrap_lora``) in place; returns the loss history.
     Batches group traces of similar length (less padding), in a seeded order. ``progress(step,
     loss, eta_s)`` is called every ``log_every`` steps.
@@ -176,9 +226,14 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     With ``checkpoint`` (a folder), the run saves its whole state there every
     ``checkpoint_every`` steps (trainable weights, optimiser, schedule, batch order, losses) and,
     started again with the same folder, continues from the last one: a run stopped at any point
-    loses at most ``checkpoint_every`` steps, and its result equals an uninterrupted run's."""
+    loses at most ``checkpoint_every`` steps, and its result equals an uninterrupted run's.
+
+    ``max_batch_tokens`` splits a batch whose rows x length exceed it into parts whose gradients
+    add up to the batch's (``micro_batches``): memory, not the result, so it may change between a
+    run and its continuation."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    stop = _stop_backprop_below(model, cfg)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     device = next(model.parameters()).device
@@ -207,19 +262,22 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
         queue, result.losses, running = state["queue"], state["losses"], state["running"]
         start, before = state["step"], state["seconds"]
     model.train()
-    stop = _stop_backprop_below(model, cfg)
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
         if not queue:
             queue = rng.sample(batches, len(batches))
-        batch = {k: v.to(device) for k, v in collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len).items()}
-        loss = forward_loss(model, batch)
+        batch = {k: v.to(device) for k, v in collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len,
+                                                               cfg.answer_weight).items()}
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total, loss = loss_weight(batch), 0.0
+        for part in micro_batches(batch, max_batch_tokens):
+            part_loss = forward_loss(model, part, total)
+            part_loss.backward()
+            loss += part_loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        running.append(loss.item())
+        running.append(loss)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             result.losses.append(sum(running) / len(running))
             running = []
