@@ -20,9 +20,9 @@ every question is still built, in order, so each kept trace equals its twin in t
 third training stage repeats the questions whose last hop is a city or a country. ``--kinds`` does
 the same by question kind (``chain``, ``compare``, ``yesno``, ``no_retrieval``; the wide worlds'
 records carry it), into ``{split}-kinds-{kind+kind}-{variant}.jsonl``: comparisons and yes/no
-questions over two chains as a focus set. ``--balance-yes-no`` keeps no more yes/no questions
-answered "no" than "yes" (the first in order; ``...-balanced-{variant}.jsonl``): the wide worlds ask
-about 60 % "no", and a model trained on that answers "no" without reading the evidence.
+questions as a focus set. ``--balance-yes-no`` keeps no more yes/no traces answered "no" than "yes"
+(the first in order; ``...-balanced-{variant}.jsonl``): the wide worlds ask about 60 % "no", and a
+model trained on that answers "no" without reading the evidence.
 
 ``--held-out DIR`` drops every question that names an entity of another ``rig synth`` folder's dev or
 test world (counted), so the train split of a second world (``rig synth --seed 1``) can add
@@ -46,7 +46,7 @@ from rig_decode.models.loader import load_tokenizer
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT
 from rig_decode.retrieval.factory import build_retriever
 from rig_decode.train.conversations import ConversationTraceBuilder
-from rig_decode.train.data import PATHS, TraceBuilder
+from rig_decode.train.data import PATHS, Trace, TraceBuilder
 
 KINDS = ("chain", "compare", "yesno", "no_retrieval")
 """Question kinds of the wide worlds' records (``eval/world_questions.py``)."""
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", help="comma-separated question kinds (chain, compare, yesno, no_retrieval): "
                                     "write only their traces (a focus set)")
     ap.add_argument("--balance-yes-no", action="store_true",
-                    help='keep no more yes/no questions answered "no" than "yes" (the first in order)')
+                    help='keep no more yes/no traces answered "no" than "yes" (the first in order)')
     ap.add_argument("--held-out", help="a `rig synth` folder whose dev/test entities must stay unseen: "
                                        "questions naming one are dropped")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
@@ -86,8 +86,10 @@ def main(argv=None) -> int:
     kinds = set(args.kinds.split(",")) if args.kinds else None
     if kinds and (unknown := kinds - set(KINDS)):
         ap.error(f"unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
-    if kinds and (focus or args.conversations):
-        ap.error("--kinds selects single-turn questions by kind: not with --templates or --conversations")
+    if kinds and focus:
+        ap.error("--kinds and --templates are two ways to pick a focus set: give one")
+    if (kinds or args.balance_yes_no) and args.conversations:
+        ap.error("--kinds and --balance-yes-no select single-turn questions: not with --conversations")
     if args.held_out and not (Path(args.held_out) / "corpus.jsonl").is_file():
         ap.error(f"--held-out {args.held_out}: no corpus.jsonl there; give the folder `rig synth` wrote")
     held_out = held_out_names(args.held_out) if args.held_out else set()
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     tok = load_tokenizer(ModelConfig(name=args.model))
     stats = {}
     retriever = None
+    tag = "-focus" if focus else f"-kinds-{'+'.join(sorted(kinds))}" if kinds else ""
+    tag += "-balanced" if args.balance_yes_no else ""
     for split in args.splits.split(","):
         records = [json.loads(line) for line in (synth / f"{split}.jsonl").open(encoding="utf-8")]
         if held_out:
@@ -115,37 +119,42 @@ def main(argv=None) -> int:
                 continue
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
                                    top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
-            tag = "-focus" if focus else f"-kinds-{'+'.join(sorted(kinds))}" if kinds else ""
-            tag += "-balanced" if args.balance_yes_no else ""
             path = out / f"{split}{tag}-{variant}.jsonl"
-            written: Counter[str] = Counter()  # kinds of the traces written
-            keep_no = _yes_count(records) if args.balance_yes_no else len(records)
+            built = [(rec, builder.build(rec)) for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr)]
+            kept = select(built, focus, kinds, args.balance_yes_no)
             with path.open("w", encoding="utf-8") as f:
-                for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr):
-                    trace = builder.build(rec)
-                    if trace is None or (focus and rec.get("template") not in focus) \
-                            or (kinds and rec.get("kind") not in kinds):
-                        continue
-                    if rec.get("kind") == "yesno" and rec["answer"] == "no":
-                        if keep_no == 0:
-                            continue
-                        keep_no -= 1
+                for trace in kept:
                     f.write(json.dumps(trace.to_json(), ensure_ascii=False) + "\n")
-                    written[trace.kind] += 1
+            written = Counter(t.kind for t in kept)
             n = written.total()
             stats[path.stem] = {"built": builder.stats.built, "written": n, "skipped": builder.stats.skipped,
                                 "kinds": dict(written)}
             print(f"{path}: wrote {n} of {builder.stats.built} traces built ({builder.stats.skipped} questions skipped), "
                   f"{dict(written)}", file=sys.stderr)
-    name = ("stats-conversations.json" if args.conversations else "stats-focus.json" if focus or kinds
-            else "stats.json")
+    name = "stats-conversations.json" if args.conversations else f"stats{tag}.json"
     (out / name).write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps({"marker_data": stats}))
     return 0
 
 
-def _yes_count(records: list[dict]) -> int:
-    return sum(r.get("kind") == "yesno" and r["answer"] == "yes" for r in records)
+def select(built: list[tuple[dict, Trace | None]], templates: set[str] | None, kinds: set[str] | None,
+           balance_yes_no: bool) -> list[Trace]:
+    """The traces to write, in order: those built (a question no query supports has none), of the
+    given templates and kinds; with ``balance_yes_no``, no more yes/no traces answered "no" than
+    "yes" (the first ones)."""
+    kept = [(rec, t) for rec, t in built if t is not None and (not templates or rec.get("template") in templates)
+            and (not kinds or rec.get("kind") in kinds)]
+    if not balance_yes_no:
+        return [t for _, t in kept]
+    room = sum(rec.get("kind") == "yesno" and rec["answer"] == "yes" for rec, _ in kept)  # "no" traces to keep
+    out = []
+    for rec, t in kept:
+        if rec.get("kind") == "yesno" and rec["answer"] == "no":
+            if room == 0:
+                continue
+            room -= 1
+        out.append(t)
+    return out
 
 
 def training_corpus(corpus: list) -> list:

@@ -23,7 +23,7 @@ from rig_decode.markers import MarkerSpec
 from rig_decode.models.embedded import DEFAULT_MODEL
 from rig_decode.models.quiet import quiet_peft
 from rig_decode.prompt import without_cite_instruction
-from rig_decode.train.lora import TrainConfig, add_marker_tokens, load_base, save, train, wrap_lora
+from rig_decode.train.lora import TrainConfig, add_marker_tokens, freeze_below, load_base, save, train, wrap_lora
 
 CARD = """# Marker adapter for {model}
 
@@ -69,19 +69,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=defaults.max_len,
                     help="tokens per trace at most; a longer one is cut (counted): keep it above the longest trace")
     ap.add_argument("--answer-weight", type=float, default=defaults.answer_weight,
-                    help="loss weight of the answer's tokens (after the last evidence) against 1 for markers "
-                         "and queries")
+                    help="loss weight (> 0) of the answer's tokens and its end of sequence (after the last evidence) "
+                         "against 1 for markers and queries")
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="split a batch of more tokens (rows x length) into parts with the same summed "
                          "gradient: caps memory on long traces (about 6144 for 24 GB of RAM)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model, "
-                                     "variant and --top-layers)")
+    ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model and "
+                                     "variant; a smaller --top-layers continues on the top layers only)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--checkpoint-every", type=int, default=25,
                     help="save the run's state to OUT/checkpoint every N steps; the same command started again "
                          "continues from there")
     args = ap.parse_args(argv)
+    if args.answer_weight <= 0:
+        ap.error(f"--answer-weight must be > 0, got {args.answer_weight}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_float32_matmul_precision("high")  # fp32 weights, TF32 matmuls where a GPU has them
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
             model = PeftModel.from_pretrained(model, args.resume, is_trainable=True)
     else:
         model = wrap_lora(model, cfg, added or None)
+    freeze_below(model, cfg)  # what train() freezes, before the count below
     if cut := sum(len(t["input_ids"]) > cfg.max_len for t in traces):
         print(f"[train] {cut} of {len(traces)} traces are longer than --max-len {cfg.max_len}: their ends (answers "
               "included) are cut", file=sys.stderr)

@@ -23,7 +23,7 @@ def test_questions_whose_documents_the_corpus_lacks_are_named(tmp_path):
     retrieval 0 without a word: the loader says how many questions it affects."""
     (tmp_path / "corpus.jsonl").write_text('{"id": "d1", "text": "x is here"}\n')
     (tmp_path / "q.jsonl").write_text('{"question": "Q1?", "answer": "x", "supporting_docs": ["d1"]}\n'
-                                      '{"question": "Q2?", "answer": "y", "supporting_docs": ["d1", "elsewhere"]}\n')
+                                      '{"question": "Q2?", "answer": "y", "supporting_docs": ["gone", "elsewhere"]}\n')
     with pytest.warns(UserWarning, match=r"1 of 2 questions .* name supporting documents that .* does not hold"):
         load_dataset(tmp_path / "q.jsonl")
     (tmp_path / "ok.jsonl").write_text('{"question": "Q1?", "answer": "x", "supporting_docs": ["d1"]}\n')

@@ -124,12 +124,30 @@ def test_make_marker_data_rejects_bad_selections(tmp_path, capsys):
     for extra, message in ((["--templates", "maker_hq,hq_moon"], "unknown templates ['hq_moon']"),
                            (["--templates", "maker_hq", "--conversations"], "conversations have no templates"),
                            (["--kinds", "compare,riddle"], "unknown kinds ['riddle']"),
-                           (["--kinds", "compare", "--templates", "maker_hq"], "not with --templates"),
+                           (["--kinds", "compare", "--templates", "maker_hq"], "give one"),
+                           (["--balance-yes-no", "--conversations"], "not with --conversations"),
                            (["--held-out", str(tmp_path / "nowhere")], "no corpus.jsonl there")):
         with pytest.raises(SystemExit):
             script.main(base + extra)
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_focus_sets_by_kind_and_balanced_yes_no_answers():
+    """``select`` (``make_marker_data.py --kinds/--balance-yes-no``): traces of the kinds asked for,
+    in order, and no more "no" than "yes" answers among the yes/no traces actually built (a
+    question without a trace counts for neither)."""
+    select = load_script("scripts/make_marker_data.py").select
+    recs = [{"kind": k, "answer": a, "template": "t"} for k, a in
+            [("chain", "X"), ("yesno", "no"), ("compare", "A"), ("yesno", "yes"), ("yesno", "no"),
+             ("yesno", "yes"), ("yesno", "no"), ("no_retrieval", "4"), ("yesno", "no")]]
+    built = [(r, f"trace {i}") for i, r in enumerate(recs)]
+    built[5] = (recs[5], None)  # a "yes" question no query supported: one "yes" trace, so one "no"
+    assert select(built, None, None, False) == [f"trace {i}" for i in (0, 1, 2, 3, 4, 6, 7, 8)]
+    assert select(built, None, {"compare", "yesno"}, False) == [f"trace {i}" for i in (1, 2, 3, 4, 6, 8)]
+    assert select(built, None, {"compare", "yesno"}, True) == ["trace 1", "trace 2", "trace 3"]
+    assert select(built, None, None, True) == [f"trace {i}" for i in (0, 1, 2, 3, 7)]
+    assert select(built, {"other"}, None, False) == []
 
 
 def test_collate_and_loss_ignore_masked_tokens():
@@ -171,8 +189,8 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient():
     tok = tiny_tokenizer()
     model = tiny_model(len(tok))
     rng = random.Random(1)
-    traces = [{"input_ids": [rng.randrange(5, 60) for _ in range(n)], "mask": [0] * 3 + [1] * (n - 3)}
-              for n in (14, 12, 9, 6, 5)]
+    traces = [{"input_ids": [rng.randrange(5, 60) for _ in range(n)], "mask": [0, 1, 1, 0] + [1] * (n - 4)}
+              for n in (14, 12, 9, 6, 5)]  # a query, evidence, an answer: weights differ within a row
     for weight in (1.0, 2.5):
         batch = collate(traces, pad_id=0, max_len=32, answer_weight=weight)
         parts = micro_batches(batch, max_tokens=30)  # 14 columns: two rows a part
@@ -191,6 +209,16 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient():
         for a, b in zip(g_whole, g_split):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert micro_batches(batch, None) == [batch] and len(micro_batches(batch, 10**6)) == 1
+    weights = []
+    for max_tokens in (None, 30):  # train() itself: the same weights after a few steps, split or not
+        model = tiny_model(len(tok))
+        model = wrap_lora(model, TrainConfig(rank=4, alpha=8, top_layers=1.0))
+        train(model, traces, 0, TrainConfig(steps=3, batch_size=5, lr=1e-2, warmup=1, top_layers=1.0,
+                                             answer_weight=2.5), max_batch_tokens=max_tokens)
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    for n, p in weights[0].items():
+        torch.testing.assert_close(p, weights[1][n], atol=1e-5, rtol=1e-4)
+    assert any(not torch.equal(p, 0 * p) for n, p in weights[0].items() if "lora_B" in n)  # it did train
 
 
 def test_training_a_few_steps_lowers_the_loss(world):
@@ -258,13 +286,15 @@ def test_continuing_an_every_layer_adapter_on_the_top_half_trains_only_the_top_h
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     rng = random.Random(0)
     traces = [{"input_ids": [rng.randrange(5, 60) for _ in range(12)], "mask": [0] * 4 + [1] * 8} for _ in range(8)]
-    train(model, traces, 0, TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup=1, top_layers=0.5, seed=0))
+    result = train(model, traces, 0, TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup=1, top_layers=0.5, seed=0))
     moved = {int(n.split(".layers.")[1].split(".")[0]) for n, p in model.named_parameters()
              if "lora_" in n and not torch.equal(p, before[n])}
     assert moved == {2, 3}
     frozen = {int(n.split(".layers.")[1].split(".")[0]) for n, p in model.named_parameters()
               if "lora_" in n and not p.requires_grad}
-    assert frozen == {0, 1}  # no graph is kept through them
+    assert frozen == {0, 1}  # out of the optimiser and the checkpoints
+    assert result.trainable_params == sum(p.numel() for n, p in model.named_parameters()
+                                          if "lora_" in n and int(n.split(".layers.")[1].split(".")[0]) >= 2)
 
 
 def _rec(q) -> dict:

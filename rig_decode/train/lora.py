@@ -48,8 +48,9 @@ class TrainConfig:
     keep their initialisation (the mean of the text they replace)."""
 
     answer_weight: float = 1.0
-    """The weight in the loss of each answer token (what the model writes after its last evidence
-    block, or after the prompt when it does not search), against 1 for markers and queries. A
+    """The weight in the loss of each answer token and the end of sequence (what the model writes
+    after its last evidence block, or after the prompt when it does not search; > 0), against 1 for
+    markers and queries. A
     multi-hop trace labels some 30 tokens, and the one that decides a comparison or a yes/no
     question is among the last few: above 1, the verdict counts for more than its share."""
 
@@ -111,18 +112,17 @@ def collate(batch: list[dict], pad_id: int, max_len: int, answer_weight: float =
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
     attn = torch.zeros((len(batch), n), dtype=torch.long)
-    weights = torch.ones((len(batch), n))
+    weights = torch.ones((len(batch), n)) if answer_weight != 1.0 else None
     for i, t in enumerate(batch):
         x = torch.tensor(t["input_ids"][:n])
         m = torch.tensor(t["mask"][:n], dtype=torch.bool)
         ids[i, : len(x)] = x
         attn[i, : len(x)] = 1
         labels[i, : len(x)] = torch.where(m, x, torch.full_like(x, IGNORE))
-        weights[i, answer_start(t["mask"]) :] = answer_weight
+        if weights is not None:
+            weights[i, answer_start(t["mask"]) :] = answer_weight
     out = {"input_ids": ids, "attention_mask": attn, "labels": labels}
-    if answer_weight != 1.0:
-        out["weights"] = weights
-    return out
+    return out if weights is None else {**out, "weights": weights}
 
 
 def answer_start(mask: list[int]) -> int:
@@ -196,17 +196,27 @@ def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
         return get_peft_model(model, lora)
 
 
-def _stop_backprop_below(model, cfg: TrainConfig):
-    """A hook that detaches the input of the first trained layer (None when every layer trains).
-    Weights below it (an adapter resumed from a run over more layers) are frozen: nothing there
-    would get a gradient, and a forward pass through trainable weights keeps its activations."""
+def _decoder_layers(model):
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = causal_lm.get_decoder().layers
+    return causal_lm.get_decoder().layers
+
+
+def freeze_below(model, cfg: TrainConfig) -> None:
+    """Freeze every weight below the first layer ``cfg`` trains, for good: an adapter resumed from
+    a run over more layers (``--resume`` of an every-layer adapter with ``--top-layers 0.5``)
+    continues on the top layers only, and the frozen ones leave the optimiser, the checkpoints and
+    the count of trainable parameters (no gradient could reach them anyway)."""
+    layers = _decoder_layers(model)
+    for layer in layers[: cfg.first_lora_layer(len(layers))]:
+        layer.requires_grad_(False)
+
+
+def _stop_backprop_below(model, cfg: TrainConfig):
+    """A hook that detaches the input of the first trained layer (None when every layer trains)."""
+    layers = _decoder_layers(model)
     first = cfg.first_lora_layer(len(layers))
     if first == 0:
         return None
-    for layer in layers[:first]:
-        layer.requires_grad_(False)
 
     def detach(_module, args, kwargs):
         if args:
@@ -231,9 +241,11 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     ``max_batch_tokens`` splits a batch whose rows x length exceed it into parts whose gradients
     add up to the batch's (``micro_batches``): memory, not the result, so it may change between a
     run and its continuation."""
+    if cfg.answer_weight <= 0:
+        raise ValueError(f"answer_weight must be > 0, got {cfg.answer_weight}")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    stop = _stop_backprop_below(model, cfg)
+    freeze_below(model, cfg)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     device = next(model.parameters()).device
@@ -262,37 +274,40 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
         queue, result.losses, running = state["queue"], state["losses"], state["running"]
         start, before = state["step"], state["seconds"]
     model.train()
+    stop = _stop_backprop_below(model, cfg)
     t0 = time.perf_counter()
-    for step in range(start, cfg.steps):
-        if not queue:
-            queue = rng.sample(batches, len(batches))
-        batch = {k: v.to(device) for k, v in collate([traces[i] for i in queue.pop()], pad_id, cfg.max_len,
-                                                               cfg.answer_weight).items()}
-        opt.zero_grad(set_to_none=True)
-        total, loss = loss_weight(batch), 0.0
-        for part in micro_batches(batch, max_batch_tokens):
-            part_loss = forward_loss(model, part, total)
-            part_loss.backward()
-            loss += part_loss.item()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        running.append(loss)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            result.losses.append(sum(running) / len(running))
-            running = []
-            if progress:
-                rate = (time.perf_counter() - t0) / (step + 1 - start)
-                progress(step + 1, result.losses[-1], rate * (cfg.steps - step - 1))
-        if state_file is not None and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
-            save_state(state_file, {"identity": identity, "params": {n: p.detach().clone() for n, p in named},
-                                    "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                                    "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "queue": queue,
-                                    "losses": list(result.losses), "running": list(running), "step": step + 1,
-                                    "seconds": before + time.perf_counter() - t0})
-    model.eval()
-    if stop is not None:
-        stop.remove()
+    try:
+        for step in range(start, cfg.steps):
+            if not queue:
+                queue = rng.sample(batches, len(batches))
+            picked = [traces[i] for i in queue.pop()]
+            batch = {k: v.to(device) for k, v in collate(picked, pad_id, cfg.max_len, cfg.answer_weight).items()}
+            opt.zero_grad(set_to_none=True)
+            total, loss = loss_weight(batch), 0.0
+            for part in micro_batches(batch, max_batch_tokens):
+                part_loss = forward_loss(model, part, total)
+                part_loss.backward()
+                loss += part_loss.item()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            running.append(loss)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                result.losses.append(sum(running) / len(running))
+                running = []
+                if progress:
+                    rate = (time.perf_counter() - t0) / (step + 1 - start)
+                    progress(step + 1, result.losses[-1], rate * (cfg.steps - step - 1))
+            if state_file is not None and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
+                save_state(state_file, {"identity": identity, "params": {n: p.detach().clone() for n, p in named},
+                                        "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "queue": queue,
+                                        "losses": list(result.losses), "running": list(running), "step": step + 1,
+                                        "seconds": before + time.perf_counter() - t0})
+    finally:
+        model.eval()
+        if stop is not None:
+            stop.remove()
     result.seconds = before + time.perf_counter() - t0
     return result
 
