@@ -82,8 +82,6 @@ def main(argv=None) -> int:
                     help="save the run's state to OUT/checkpoint every N steps; the same command started again "
                          "continues from there")
     args = ap.parse_args(argv)
-    if args.answer_weight <= 0:
-        ap.error(f"--answer-weight must be > 0, got {args.answer_weight}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_float32_matmul_precision("high")  # fp32 weights, TF32 matmuls where a GPU has them
@@ -96,9 +94,12 @@ def main(argv=None) -> int:
     if {t["variant"] for t in traces} != {variant} or len(prompts) != 1:
         ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
     system_prompt = prompts.pop()
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
-                      top_layers=args.top_layers, max_len=args.max_len, answer_weight=args.answer_weight,
-                      special_markers=variant == "special")
+    try:
+        cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
+                          top_layers=args.top_layers, max_len=args.max_len, answer_weight=args.answer_weight,
+                          special_markers=variant == "special")
+    except ValueError as e:
+        ap.error(str(e))
     torch.manual_seed(cfg.seed)
     model, tok = load_base(args.model)
     added: list[int] = []

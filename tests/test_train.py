@@ -183,6 +183,20 @@ def test_answer_weight_scales_the_answer_tokens_in_the_loss():
     torch.testing.assert_close(forward_loss(model, plain), ce.mean())
 
 
+def test_a_non_positive_answer_weight_is_refused(tmp_path, capsys):
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="answer_weight must be > 0"):
+            TrainConfig(answer_weight=bad)
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"input_ids": [5, 6], "mask": [0, 1], "variant": "special", "system_prompt": "s",
+                                "marker_token_ids": [], "style": "special_token"}) + "\n")
+    with pytest.raises(SystemExit):
+        load_script("scripts/train_markers.py").main(["--data", str(data), "--out", str(tmp_path / "o"),
+                                                       "--answer-weight", "0"])
+    assert "answer_weight must be > 0, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_micro_batches_give_the_whole_batchs_loss_and_gradient():
     """A batch split by ``max_batch_tokens`` (parts cut to their own length) gets the same summed
     loss and the same gradient as the whole batch, with and without answer weights."""

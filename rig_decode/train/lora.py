@@ -50,9 +50,13 @@ class TrainConfig:
     answer_weight: float = 1.0
     """The weight in the loss of each answer token and the end of sequence (what the model writes
     after its last evidence block, or after the prompt when it does not search; > 0), against 1 for
-    markers and queries. A
-    multi-hop trace labels some 30 tokens, and the one that decides a comparison or a yes/no
-    question is among the last few: above 1, the verdict counts for more than its share."""
+    markers and queries. A multi-hop trace labels some 30 tokens, and the one that decides a
+    comparison or a yes/no question is among the last few: above 1, the verdict counts for more
+    than its share."""
+
+    def __post_init__(self):
+        if self.answer_weight <= 0:
+            raise ValueError(f"answer_weight must be > 0, got {self.answer_weight}")
 
     def first_lora_layer(self, n_layers: int) -> int:
         if not 0.0 < self.top_layers <= 1.0:
@@ -144,7 +148,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], total: float | None = No
     few dozen of its hundreds, and the projection onto the vocabulary is a fifth of a small model's
     forward pass. With ``total`` (``loss_weight`` of the whole batch this is a part of), the sum
     divided by it: the parts' losses add up to the whole batch's."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = _causal_lm(model)
     hidden = causal_lm.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE
@@ -196,9 +200,13 @@ def wrap_lora(model, cfg: TrainConfig, token_ids: list[int] | None = None):
         return get_peft_model(model, lora)
 
 
+def _causal_lm(model):
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _decoder_layers(model):
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return causal_lm.get_decoder().layers
+    return _causal_lm(model).get_decoder().layers
 
 
 def freeze_below(model, cfg: TrainConfig) -> None:
@@ -241,8 +249,6 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     ``max_batch_tokens`` splits a batch whose rows x length exceed it into parts whose gradients
     add up to the batch's (``micro_batches``): memory, not the result, so it may change between a
     run and its continuation."""
-    if cfg.answer_weight <= 0:
-        raise ValueError(f"answer_weight must be > 0, got {cfg.answer_weight}")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     freeze_below(model, cfg)
