@@ -22,7 +22,9 @@ the same by question kind (``chain``, ``compare``, ``yesno``, ``no_retrieval``; 
 records carry it), into ``{split}-kinds-{kind+kind}-{variant}.jsonl``: comparisons and yes/no
 questions as a focus set. ``--balance-yes-no`` keeps no more yes/no traces answered "no" than "yes"
 (the first in order; ``...-balanced-{variant}.jsonl``): the wide worlds ask about 60 % "no", and a
-model trained on that answers "no" without reading the evidence.
+model trained on that answers "no" without reading the evidence. ``--one-search`` asks for both
+entities of a comparison or two-chain yes/no question of one hop per chain in one search, so both
+values stand in one evidence block (``...-onesearch-{variant}.jsonl``; ``TraceBuilder``).
 
 ``--held-out DIR`` drops every question that names an entity of another ``rig synth`` folder's dev or
 test world (counted), so the train split of a second world (``rig synth --seed 1``) can add
@@ -70,6 +72,9 @@ def main(argv=None) -> int:
                                     "write only their traces (a focus set)")
     ap.add_argument("--balance-yes-no", action="store_true",
                     help='keep no more yes/no traces answered "no" than "yes" (the first in order)')
+    ap.add_argument("--one-search", action="store_true",
+                    help="one search naming both entities for comparisons and two-chain yes/no questions of one hop "
+                         "per chain (both values in one evidence block)")
     ap.add_argument("--held-out", help="a `rig synth` folder whose dev/test entities must stay unseen: "
                                        "questions naming one are dropped")
     ap.add_argument("--system-prompt", default=MARKER_ADAPTER_PROMPT,
@@ -88,8 +93,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     if kinds and focus:
         ap.error("--kinds and --templates are two ways to pick a focus set: give one")
-    if (kinds or args.balance_yes_no) and args.conversations:
-        ap.error("--kinds and --balance-yes-no select single-turn questions: not with --conversations")
+    if (kinds or args.balance_yes_no or args.one_search) and args.conversations:
+        ap.error("--kinds, --balance-yes-no and --one-search are about single-turn questions: not with --conversations")
     if args.held_out and not (Path(args.held_out) / "corpus.jsonl").is_file():
         ap.error(f"--held-out {args.held_out}: no corpus.jsonl there; give the folder `rig synth` wrote")
     held_out = held_out_names(args.held_out) if args.held_out else set()
@@ -98,7 +103,7 @@ def main(argv=None) -> int:
     stats = {}
     retriever = None
     tag = "-focus" if focus else f"-kinds-{'+'.join(sorted(kinds))}" if kinds else ""
-    tag += "-balanced" if args.balance_yes_no else ""
+    tag += ("-balanced" if args.balance_yes_no else "") + ("-onesearch" if args.one_search else "")
     for split in args.splits.split(","):
         records = [json.loads(line) for line in (synth / f"{split}.jsonl").open(encoding="utf-8")]
         if held_out:
@@ -118,7 +123,8 @@ def main(argv=None) -> int:
                                                  tok, retriever, variant, cite)
                 continue
             builder = TraceBuilder(tok, retriever, variant, evidence_budget=args.evidence_budget,
-                                   top_k=args.top_k, system_prompt=args.system_prompt, seed=args.seed)
+                                   top_k=args.top_k, system_prompt=args.system_prompt, one_search=args.one_search,
+                                   seed=args.seed)
             path = out / f"{split}{tag}-{variant}.jsonl"
             built = [(rec, builder.build(rec)) for rec in tqdm(records, desc=f"{split} {variant}", file=sys.stderr)]
             kept = select(built, focus, kinds, args.balance_yes_no)

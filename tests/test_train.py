@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("peft")
 
 from rig_decode.engine import EngineOptions, RigEngine  # noqa: E402
+from rig_decode.eval import worlds  # noqa: E402
 from rig_decode.eval.synth import generate  # noqa: E402
 from rig_decode.retrieval.base import Document, Hit  # noqa: E402
 from rig_decode.retrieval.dense import Embedder  # noqa: E402
@@ -54,6 +55,36 @@ def test_traces_have_the_engines_mask_and_every_kind(world):
         assert len(t.input_ids) == len(t.mask) and t.mask[: t.prompt_len] == [0] * t.prompt_len
         assert t.mask[-1] == 1 and t.input_ids[-1] == tok.eos_token_id
         assert len(t.queries) == len(t.evidence_docs) >= (t.hops if t.kind != "no_retrieval" else 0)
+
+
+def test_one_search_puts_both_values_of_a_comparison_in_one_block(tmp_path):
+    """``one_search``: a comparison or two-chain yes/no question of one hop per chain asks for both
+    entities in one query, and its one block shows both documents; other questions are unchanged."""
+    corpus, splits = worlds.generate(seed=5, scale=0.5)
+    docs = [Document(d["id"], d["text"], d["title"], d["metadata"]) for d in corpus]
+    build_index(docs, Embedder("all-minilm-l6-v2"), tmp_path / "index", Chunking(words=10**6, chars=10**6),
+                progress=False)
+    retriever = IndexRetriever(IndexStore.load(tmp_path / "index"), None, "lexical")
+    records = [dict(r, id=f"train-{k}") for k, r in enumerate(splits["train"])]
+    built = {}
+    for one_search in (False, True):
+        builder = TraceBuilder(tiny_tokenizer(), retriever, "text", evidence_budget=1024, p_misleading=0.0, p_empty=0.0,
+                               one_search=one_search)
+        built[one_search] = {r["id"]: t for r in records if (t := builder.build(r))}
+    assert "one_search" not in {t.kind for t in built[False].values()}
+    paired = [t for t in built[True].values() if t.kind == "one_search"]
+    assert len(paired) >= 5
+    by_id = {r["id"]: r for r in records}
+    for t in paired:
+        rec = by_id[t.id]
+        assert rec["kind"] in ("compare", "yesno") and len(rec["plan"]) == 2
+        a, b = (p["entity"] for p in rec["plan"])
+        assert len(t.queries) == 1 and a in t.queries[0] and b in t.queries[0]
+        assert {p["doc"] for p in rec["plan"]} <= set(t.evidence_docs[0])
+        assert len(built[False][t.id].queries) >= 2  # without the option: a search per chain
+    for tid, t in built[True].items():  # every other question is built as before
+        if t.kind != "one_search":
+            assert by_id[tid]["kind"] == "chain" or len(by_id[tid]["plan"]) != 2 or t.queries, tid
 
 
 class Replay:

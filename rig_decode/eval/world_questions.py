@@ -52,7 +52,9 @@ def noun_phrase(start: str, rels: list[Relation], possessive: bool = False) -> s
 
 
 def hop_plan(w, chain: list[str], rels: list[Relation]) -> list[dict]:
-    return [{"entity": e, "doc": doc_id(w.kinds[e], e), "relation": r.name,
+    """One step per hop: the entity whose document is read, the relation, the value it reads there
+    (the next entity of a chain, or an attribute), and queries that find the document."""
+    return [{"entity": e, "doc": doc_id(w.kinds[e], e), "relation": r.name, "value": w.facts[e][r.name],
              "queries": [f"{r.noun} of {e}", f"{e} {r.noun}", r.wh.format(x=e).rstrip("?")]}
             for e, r in zip(chain, rels)]
 

@@ -16,7 +16,11 @@ Variations the model has to learn:
 * re-query after misleading evidence: a vague first query (the name's first word) whose best hit
   is another entity (a sibling company, a neighbouring model number), then a precise one;
 * re-query after an empty result: the decoder's no-evidence block (what a failed or empty search
-  splices), then the query again in other words.
+  splices), then the query again in other words;
+* one search for two values (``one_search``): a comparison or a two-chain yes/no question whose
+  chains are one hop each asks for both entities at once ("budget of A and B"), so both values
+  stand in one evidence block before the verdict; where no such search shows both, the question
+  gets its two searches as usual.
 
 A question whose precise queries never bring the needed document into the rendered evidence (a
 long paragraph can be cut by the evidence budget; on a chain's last hop the answer must be in what
@@ -33,6 +37,7 @@ import random
 from dataclasses import dataclass, field
 
 from ..eval.synth import TEMPLATES
+from ..eval.world_schema import RELATION
 from ..evidence import EvidenceFormatter, number_hits
 from ..markers import MarkerSpec
 from ..prompt import build_prompt
@@ -100,7 +105,7 @@ class Trace:
     queries: list[str] = field(default_factory=list)
     evidence_docs: list[list[str]] = field(default_factory=list)
     kind: str = "plain"
-    """plain | no_retrieval | misleading_requery | empty_requery"""
+    """plain | no_retrieval | misleading_requery | empty_requery | one_search"""
     variant: str = "special"
     marker_token_ids: list[int] = field(default_factory=list)
     """The delimiters' token ids where they are single added tokens (``special`` variant)."""
@@ -121,14 +126,14 @@ class BuildStats:
 class TraceBuilder:
     def __init__(self, tokenizer, retriever: Retriever, variant: str = "special", *, evidence_budget: int = 256,
                  top_k: int = 3, system_prompt: str | None = None, p_misleading: float = 0.15,
-                 p_empty: float = 0.05, seed: int = 0):
+                 p_empty: float = 0.05, one_search: bool = False, seed: int = 0):
         self.tok, self.retriever, self.variant = variant_tokenizer(tokenizer, variant), retriever, variant
         self.spec = MarkerSpec.from_style(VARIANTS[variant])
         self.marker_ids = (self.tok.convert_tokens_to_ids([self.spec.start[0], self.spec.end[0]])
                            if variant == "special" else [])
         self.formatter = EvidenceFormatter(tokenizer, evidence_budget)
         self.top_k, self.system = top_k, system_prompt
-        self.p_misleading, self.p_empty = p_misleading, p_empty
+        self.p_misleading, self.p_empty, self.one_search = p_misleading, p_empty, one_search
         self.rng = random.Random(seed)
         self.stats = BuildStats()
         eos = self.tok.eos_token_id
@@ -148,6 +153,19 @@ class TraceBuilder:
         budget is cut or left out) and, where given, the answer in its shown text."""
         shown = dict(zip(block.doc_ids, block.shown))
         return gold in shown and (answer is None or answer.lower() in shown[gold].lower())
+
+    def _pair_search(self, q: dict) -> tuple[str, list] | None:
+        """For a comparison or two-chain yes/no question of one hop per chain: a query naming both
+        entities and its hits, when they show both documents with their values; else None."""
+        plan = q.get("plan") or []
+        if (q.get("kind") not in ("compare", "yesno") or len(plan) != 2 or plan[0]["relation"] != plan[1]["relation"]
+                or plan[0]["relation"] not in RELATION or not all(p.get("value") for p in plan)):
+            return None  # not two one-hop chains of a wide world's relation (the records' plans say)
+        noun = RELATION[plan[0]["relation"]].noun
+        query = f"{noun} of {plan[0]['entity']} and {plan[1]['entity']}"
+        hits = self._search(query)
+        block = self.formatter.render_block(hits, 1, numbers=number_hits(hits, {}))
+        return (query, hits) if all(self._shows(block, p["doc"], p["value"]) for p in plan) else None
 
     def build(self, q: dict) -> Trace | None:
         """One question (a synthetic record) -> its trace, or None when it cannot be supported."""
@@ -174,8 +192,15 @@ class TraceBuilder:
             mask.extend([0] * len(block.token_ids))
             trace.evidence_docs.append(list(block.doc_ids))
 
+        pair = self._pair_search(q) if self.one_search else None
         if not q.get("needs_retrieval", True) or q["hops"] == 0:
             trace.kind = "no_retrieval"
+        elif pair:
+            query, hits = pair
+            write(self.spec.render(spoken(query)))
+            trace.queries.append(query)
+            splice(render(hits, 1))
+            trace.kind = "one_search"
         else:
             hop = 0
             plan = hop_plan(q)
