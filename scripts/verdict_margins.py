@@ -5,6 +5,8 @@
     python scripts/verdict_margins.py --traces out/md-v24/dev-kinds-compare+yesno-special.jsonl \
         --synth out/wide-v24 --adapter auto --adapter out/adapter-cy2
 
+``--traces`` and ``--synth`` repeat in pairs: the traces of several worlds are scored together.
+
 Each trace is teacher-forced up to its answer (its own queries and evidence, as the decoder splices
 them), and the model's log-probability of the two possible answers is compared there: " yes" and
 " no" for a yes/no question, the two entities for a comparison. Per adapter and kind it prints how
@@ -12,10 +14,10 @@ often the preferred answer is right, how often it is "no" or the second entity w
 and the AUC of the margin against the truth: 0.5 means the verdict does not depend on what the
 evidence says, however often it is right. Yes/no questions about one chain ("Is the X of Y Z?")
 and about two ("Do A and B share their X?") are counted apart, and so are the traces that asked
-for both values in one search (``make_marker_data.py --one-search``). ``--restate`` also scores each trace
-with the values its verdict rests on said just before it ("The budget of A is $3 million. The
-budget of B is $5 million. So the answer is"; from the records' plans): does the model compare two
-values once they stand side by side? The table, then one JSON line.
+for both values in one search (``make_marker_data.py --one-search``). ``--restate`` also scores
+each trace with the values its verdict rests on said just before it ("The budget of A is $3
+million. The budget of B is $5 million. So the answer is"; from the records' plans): does the model
+compare two values once they stand side by side? The table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -89,13 +91,12 @@ def auc(margins: list[float], truth: list[bool]) -> float | None:
     return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
 
 
-def score(model, tok, traces: list[dict], records: dict[str, dict], restate: bool = False) -> dict[str, dict]:
+def score(model, tok, items: list[tuple[dict, dict]], restate: bool = False) -> dict[str, dict]:
     """Per kind of question (and ", one search" where one search brought both values): n, the
     share whose preferred answer is right, the share that prefers "no" or the second entity, and
-    the margin's AUC against the truth."""
+    the margin's AUC against the truth, over (trace, its question's record) pairs."""
     rows: dict[str, list[tuple[float, bool]]] = {f"{k}{s}": [] for k in KINDS for s in ("", ", one search")}
-    for t in traces:
-        rec = records[t["id"]]
+    for t, rec in items:
         prefix = t["input_ids"][: answer_start(t["mask"])]
         if restate:
             prefix = prefix + tok.encode(restatement(rec), add_special_tokens=False)
@@ -115,25 +116,32 @@ def score(model, tok, traces: list[dict], records: dict[str, dict], restate: boo
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--traces", required=True, help="traces of comparison and yes/no questions (make_marker_data.py)")
-    ap.add_argument("--synth", required=True, help="the `rig synth` folder the traces were built from")
+    ap.add_argument("--traces", action="append", required=True,
+                    help="traces of comparison and yes/no questions (make_marker_data.py); repeatable")
+    ap.add_argument("--synth", action="append", required=True,
+                    help="the `rig synth` folder the traces were built from; one per --traces, in order")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--adapter", action="append", required=True,
                     help="auto (the shipped adapter) or an adapter folder; repeatable")
     ap.add_argument("--restate", action="store_true",
                     help="also score each trace with the values its verdict rests on said before it")
     args = ap.parse_args(argv)
-    records = {r["id"]: r for r in map(json.loads, (Path(args.synth) / f"{args.split}.jsonl").open(encoding="utf-8"))}
-    traces = [t for t in map(json.loads, Path(args.traces).open(encoding="utf-8"))
-              if records.get(t["id"], {}).get("kind") in ("yesno", "compare")]
-    if not traces:
-        ap.error(f"{args.traces}: no comparison or yes/no traces of {args.synth}/{args.split}.jsonl")
+    if len(args.traces) != len(args.synth):
+        ap.error(f"{len(args.traces)} --traces but {len(args.synth)} --synth: give one world per traces file")
+    items = []
+    for traces, synth in zip(args.traces, args.synth):
+        records = {r["id"]: r for r in map(json.loads, (Path(synth) / f"{args.split}.jsonl").open(encoding="utf-8"))}
+        found = [(t, records[t["id"]]) for t in map(json.loads, Path(traces).open(encoding="utf-8"))
+                 if records.get(t["id"], {}).get("kind") in ("yesno", "compare")]
+        if not found:
+            ap.error(f"{traces}: no comparison or yes/no traces of {synth}/{args.split}.jsonl")
+        items += found
     results = {}
     for adapter in args.adapter:
         model, tok = load_model(ModelConfig(adapter=adapter, device="cpu", cpu_gemm="torch"))
-        results[adapter] = {"evidence": score(model, tok, traces, records)}
+        results[adapter] = {"evidence": score(model, tok, items)}
         if args.restate:
-            results[adapter]["restated"] = score(model, tok, traces, records, restate=True)
+            results[adapter]["restated"] = score(model, tok, items, restate=True)
     print("| adapter | before the verdict | kind | n | right % | says no / second entity % | AUC of the margin |")
     print("|---|---|---|---:|---:|---:|---:|")
     for adapter, modes in results.items():

@@ -75,8 +75,14 @@ def test_scores_are_grouped_by_kind_and_by_one_search(model, tok):
     traces = [{"id": i, "kind": k, "input_ids": ids + [5], "mask": [0] * len(ids) + [1]}
               for i, k in (("c", "one_search"), ("s", "plain"), ("y", "plain"), ("c", "plain"))]
     for restate in (False, True):
-        got = script.score(model, tok, traces, records, restate=restate)
+        got = script.score(model, tok, [(t, records[t["id"]]) for t in traces], restate=restate)
         assert {k: r["n"] for k, r in got.items()} == {"comparison": 1, "comparison, one search": 1,
                                                       "yes/no, two chains": 1, "yes/no, one chain": 1}
         assert all(r["auc"] is None and r["right"] in (0.0, 1.0) for r in got.values())  # one answer: no AUC
     assert script.restatement(records["y"]) == " The budget of Loyein Initiative is $8.1 million. So the answer is"
+
+
+def test_each_traces_file_needs_its_world(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["--traces", "a.jsonl", "--traces", "b.jsonl", "--synth", str(tmp_path), "--adapter", "auto"])
+    assert "2 --traces but 1 --synth" in capsys.readouterr().err
