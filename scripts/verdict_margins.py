@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import DynamicCache
 
 from rig_decode.config import ModelConfig
@@ -96,7 +97,7 @@ def score(model, tok, items: list[tuple[dict, dict]], restate: bool = False) -> 
     share whose preferred answer is right, the share that prefers "no" or the second entity, and
     the margin's AUC against the truth, over (trace, its question's record) pairs."""
     rows: dict[str, list[tuple[float, bool]]] = {f"{k}{s}": [] for k in KINDS for s in ("", ", one search")}
-    for t, rec in items:
+    for t, rec in tqdm(items, desc="verdicts", file=sys.stderr):
         prefix = t["input_ids"][: answer_start(t["mask"])]
         if restate:
             prefix = prefix + tok.encode(restatement(rec), add_special_tokens=False)
