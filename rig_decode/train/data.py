@@ -154,9 +154,10 @@ class TraceBuilder:
         shown = dict(zip(block.doc_ids, block.shown))
         return gold in shown and (answer is None or answer.lower() in shown[gold].lower())
 
-    def _pair_search(self, q: dict) -> tuple[str, list] | None:
+    def _pair_search(self, q: dict) -> tuple[str, tuple] | None:
         """For a comparison or two-chain yes/no question of one hop per chain: a query naming both
-        entities and its hits, when they show both documents with their values; else None."""
+        entities and its rendered first block (block, numbers), when that shows both documents with
+        their values; else None."""
         plan = q.get("plan") or []
         if (q.get("kind") not in ("compare", "yesno") or len(plan) != 2 or plan[0]["relation"] != plan[1]["relation"]
                 or plan[0]["relation"] not in RELATION or not all(p.get("value") for p in plan)):
@@ -164,8 +165,9 @@ class TraceBuilder:
         noun = RELATION[plan[0]["relation"]].noun
         query = f"{noun} of {plan[0]['entity']} and {plan[1]['entity']}"
         hits = self._search(query)
-        block = self.formatter.render_block(hits, 1, numbers=number_hits(hits, {}))
-        return (query, hits) if all(self._shows(block, p["doc"], p["value"]) for p in plan) else None
+        numbers = number_hits(hits, {})  # the trace's first block: nothing numbered before it
+        block = self.formatter.render_block(hits, 1, numbers=numbers)
+        return (query, (block, numbers)) if all(self._shows(block, p["doc"], p["value"]) for p in plan) else None
 
     def build(self, q: dict) -> Trace | None:
         """One question (a synthetic record) -> its trace, or None when it cannot be supported."""
@@ -192,14 +194,13 @@ class TraceBuilder:
             mask.extend([0] * len(block.token_ids))
             trace.evidence_docs.append(list(block.doc_ids))
 
-        pair = self._pair_search(q) if self.one_search else None
         if not q.get("needs_retrieval", True) or q["hops"] == 0:
             trace.kind = "no_retrieval"
-        elif pair:
-            query, hits = pair
+        elif self.one_search and (pair := self._pair_search(q)):
+            query, rendered = pair
             write(self.spec.render(spoken(query)))
             trace.queries.append(query)
-            splice(render(hits, 1))
+            splice(rendered)
             trace.kind = "one_search"
         else:
             hop = 0
