@@ -29,6 +29,9 @@ class RetrievalStep:
     evidence_tokens: int = 0
     """Tokens spliced into the cache for this hop (the pending end-marker token not counted)."""
     splice_ms: float = 0.0
+    first_token_ms: float | None = None
+    """From the marker's completion to the first token sampled after the evidence: the whole hop as
+    the row saw it (None: the row finished at this marker)."""
     position: int = 0
     """Index in the sequence's token list where the evidence starts."""
     batch_size: int = 1
@@ -44,6 +47,10 @@ class Trace:
     question: str = ""
     retrieval_steps: list[RetrievalStep] = field(default_factory=list)
     marker_errors: list[str] = field(default_factory=list)
+    """Markers the model wrote wrong (empty, garbled, two in one token): the model's mistakes."""
+    engine_errors: list[str] = field(default_factory=list)
+    """Failures of the engine itself while serving this request (a processor that raised, a splice
+    that failed, a step that failed for the whole batch): never the model's fault."""
     prompt_tokens: int = 0
     generated_tokens: int = 0
     """Tokens the model produced (sampled, plus end markers forced at the query cap)."""

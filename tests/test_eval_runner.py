@@ -166,3 +166,36 @@ def test_a_table_of_runs_leaves_a_metric_an_older_run_lacks_blank():
     cells = [dict(zip(head.split(" | "), row.split(" | "))) for row in rows]
     assert [c["EM %"] for c in cells] == ["50.0", "25.0"]
     assert [c["evidence kept/q"] for c in cells] == ["193", "-"]
+
+
+def test_an_engine_fault_is_scored_as_an_engine_error_not_a_bad_marker(model, tok, tmp_path):
+    """A logits processor that raises on one question ends that question with an engine error:
+    eval reports it as one (its own column) and counts no malformed marker for it."""
+    cfg = RigConfig().updated(model={"max_tokens": 12}, rig={"retrieve_first": True, "max_query_tokens": 4,
+                                                             "evidence_token_budget": 48})
+    retriever = build_retriever(RetrieverConfig(), cache_dir=tmp_path / "cache", corpus=DOCS)
+
+    class FailsOnQ2:
+        def apply(self, rows, scores):
+            if any(r.trace.question == EXAMPLES[1].question and r.num_generated == 3 for r in rows):
+                raise RuntimeError("injected engine fault")
+            return scores
+
+    class FaultyEngines(EvalRunner):
+        def _engine(self, key):
+            engine = super()._engine(key)
+            engine.processors.insert(0, FailsOnQ2())
+            return engine
+
+    keys = plan(["rig"], [1])
+    results = FaultyEngines(cfg, model, tok, retriever, batch_size=2, progress=False).run(EXAMPLES, keys)
+    data = write_outputs(tmp_path, results, keys, {"dataset": "tiny", "command": "test", "model": "tiny",
+                                                   "examples": 3, "corpus": "3 documents"})
+    by_id = {r["id"]: r for r in results[keys[0]]["records"]}
+    assert by_id["q2"]["engine_errors"] == 1 and by_id["q2"]["markers_invalid"] == 0
+    assert "injected engine fault" in by_id["q2"]["trace"]["engine_errors"][0]
+    assert by_id["q1"]["engine_errors"] == 0 and by_id["q3"]["engine_errors"] == 0
+    run = data["runs"]["rig@1"]
+    assert run["engine_error_rate"] == 1 / 3 and run["marker_validity"] == 1.0
+    table = (tmp_path / "report.md").read_text()
+    assert "engine err. %" in table and "| 33.3 |" in table

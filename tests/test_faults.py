@@ -416,5 +416,6 @@ def test_a_logits_processor_failing_on_one_row_ends_that_row_alone(model, tok):
     e.processors.insert(0, FailsOnRowOne())
     a, b = e.generate([e.new_sequence(p, i) for i, p in enumerate(prompts)])
     assert b.finish_reason == "error" and b.num_generated == 5
-    assert "applying logits processors: IndexError" in b.trace.marker_errors[-1]
+    assert "applying logits processors: IndexError" in b.trace.engine_errors[-1]
+    assert not b.trace.marker_errors  # the engine failed, not the model's marker
     assert a.token_ids == expected.token_ids and a.finish_reason == expected.finish_reason

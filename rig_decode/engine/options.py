@@ -33,7 +33,8 @@ class EngineOptions:
     """Token slots the KV cache may hold (rows x columns); None: unlimited."""
     sync_retrieval: bool = False
     reprefill: bool = False
-    """Reference mode: re-prefill the whole batch after every hop instead of splicing."""
+    """Reference mode (implies ``sync_retrieval``): a row with evidence to add drops its cache and
+    prefills its whole token list again, as string-based RIG systems do; the other rows decode on."""
     citations: bool = False
     """Constrain ``[n]`` citations to documents the row's evidence showed (``citations.py``)."""
     gate: GateSettings | None = None
@@ -58,3 +59,23 @@ class EngineOptions:
     reuse_similarity: float | None = None
     """A hop whose query is at least this similar to an earlier one (this answer's, or the
     conversation memory's) references that query's documents instead of searching again."""
+
+    def __post_init__(self):
+        if self.append_format not in ("full", "summary"):
+            raise ValueError(f"append_format must be full or summary, got {self.append_format!r}")
+        if not 0.0 <= self.zero_prefill_recompute <= 1.0:
+            raise ValueError(f"zero_prefill_recompute must be in [0, 1], got {self.zero_prefill_recompute}")
+        if self.zero_prefill_select not in ("tail", "deviation"):
+            raise ValueError(f"zero_prefill_select must be tail or deviation, got {self.zero_prefill_select!r}")
+        for name in ("max_batch_size", "max_new_tokens", "top_k", "max_hung_searches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_iterations < 0:
+            raise ValueError(f"max_iterations must be at least 0, got {self.max_iterations}")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+
+    @property
+    def waits_for_retrieval(self) -> bool:
+        """Whether a step waits for the searches it starts (``sync_retrieval``, or reference mode)."""
+        return self.sync_retrieval or self.reprefill

@@ -28,11 +28,18 @@ Keys carry their rotary position already, so attention does not care which colum
 (it drops leading holes of first prompts and evicted spans): when a row leaves the batch, and
 whenever the columns beyond the longest row's length are a quarter of the columns.
 
-The cache's layers are ``models.kv_buffers.BufferedLayer``s: writes land in place, in buffers with
-spare rows and columns.
+The cache and the row bookkeeping (``attn``, ``lengths``, ``ends``) live in a ``RowCache``
+(``row_cache.py``); its layers are ``models.kv_buffers.BufferedLayer``s: writes land in place, in
+buffers with spare rows and columns. Where the KV is written: a computed token's key and value in
+``BufferedLayer.update``, called by the model's attention during a forward the runner runs, at the
+columns the runner set in ``layer.scatter`` (a packed step) or as new right-hand columns (a plain
+one); precomputed KV is copied in by ``RowCache.seed`` (a shared prompt prefix) and
+``KVSurgery`` (staged evidence).
 
 A row can also drop a span of its tokens (``evict``) and take precomputed KV (``step(...,
-staged=)``, zero-prefill evidence): both move keys to new positions, see ``engine/staging.py``.
+staged=)``, zero-prefill evidence): both move keys to new positions, done by ``KVSurgery``
+(``kv_surgery.py``), which the runner holds and calls; it never calls back. ``step`` runs its
+forwards through ``_forward``, never through itself.
 
 Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
 it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
@@ -46,71 +53,47 @@ would count hole columns as tokens.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from ..kernels import RopeSpec, to_device
 from ..models.cache_arg import cache_kw
-from ..models.kv_buffers import BufferedLayer, new_cache
+from ..models.kv_buffers import new_cache
 from ..models.packed_attention import PACKED_ATTENTION, attention_implementation, packed_plan
-from .staging import KVSurgery
+from .kv_surgery import KVSurgery, ProbeDone, stop_after
+from .row_cache import RowCache
 
 
-class HFModelRunner(KVSurgery):
+
+
+class HFModelRunner:
     MIN_SHARED_PREFIX = 16
-    COMPACT_AT = 0.25  # compact once this share of the columns lies beyond the longest row's length
 
     def __init__(self, model, pad_id: int, max_slots: int | None = None):
         """``max_slots``: token slots (rows x columns) the cache's buffers may hold, spare room
         included (the engine's KV budget; ``BufferedLayer`` says how it bounds them); None: no
         bound."""
-        self.model, self.pad_id, self.max_slots = model, pad_id, max_slots
+        self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
-        self.cache: DynamicCache | None = None
-        self.attn: torch.Tensor | None = None  # [B, columns], 1 = real token
-        self.lengths: list[int] = []  # real tokens each row has in the cache
-        self.ends: list[int] = []  # each row's next free column: after its last real token (or an evicted tail)
+        self.kv = RowCache(model.config, self.device, max_slots)
+        self.surgery = KVSurgery(model, self.kv)
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._capture: dict[int, list[int]] = {}  # row -> its prompt, whose KV becomes the cached prefix once fed
-        self._rope: RopeSpec | None = None  # how the model rotates its keys, on first use
+
+    # the row cache's state, read through the runner
+    cache = property(lambda self: self.kv.cache)
+    attn = property(lambda self: self.kv.attn)
+    lengths = property(lambda self: self.kv.lengths)
+    ends = property(lambda self: self.kv.ends)
+    batch_size = property(lambda self: self.kv.batch_size)
+    num_columns = property(lambda self: self.kv.num_columns)
+    has_holes = property(lambda self: self.kv.has_holes)
+    num_slots = property(lambda self: self.kv.num_slots)
+    reserved_slots = property(lambda self: self.kv.reserved_slots)
 
     @property
     def context_limit(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def num_columns(self) -> int:
-        return 0 if self.attn is None else self.attn.shape[1]
-
-    @property
-    def has_holes(self) -> bool:
-        """Whether some row does not attend to every column (padding, an evicted span, a parked
-        row's columns): read from the rows' real-token counts on the host, not from the device."""
-        return any(n != self.num_columns for n in self.lengths)
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots in use (rows x columns), holes included (``reserved_slots``: what is allocated)."""
-        return self.batch_size * self.num_columns
-
-    @property
-    def reserved_slots(self) -> int:
-        """Token slots the cache's buffers hold, spare rows and columns included: what memory is
-        allocated (per layer; times ``kv_bytes_per_token_of(model)`` for bytes)."""
-        return 0 if self.cache is None else max(layer.capacity for layer in self.cache.layers)
-
     def reset(self, batch_size: int = 0) -> None:
-        self.cache = new_cache(self.model.config, self.max_slots)
-        other = {type(layer).__name__ for layer in self.cache.layers if not isinstance(layer, BufferedLayer)}
-        if other:
-            raise ValueError(f"the runner serves full-attention models only; this one has {', '.join(sorted(other))} "
-                             "cache layers (sliding-window or linear attention)")
-        self.attn = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
-        self.lengths = [0] * batch_size
-        self.ends = [0] * batch_size
+        self.kv.reset(batch_size)
         self._capture = {}
 
     # -- adding rows --------------------------------------------------------------------------------
@@ -126,10 +109,10 @@ class HFModelRunner(KVSurgery):
         """Append one row per prompt, seeded with the shared prefix where it applies (unless
         ``share_prefix`` is off); returns what each new row still has to feed (the rest of its
         prompt)."""
-        if self.cache is None:
+        if self.kv.cache is None:
             self.reset(0)
         if not share_prefix:
-            self._grow(len(prompts), columns=0)
+            self.kv.grow(len(prompts), columns=0)
             return [list(p) for p in prompts]
         # Several prompts: the part they all share becomes the cached prefix, computed once (only what
         # the cache does not hold yet). A lone prompt is prefilled in the step, with the other rows;
@@ -142,19 +125,11 @@ class HFModelRunner(KVSurgery):
             self._capture[self.batch_size] = list(prompts[0])
         seeds = [min(self._cached(p), len(p) - 1) for p in prompts]  # every row feeds >= 1 token
         seeds = [n if n >= self.MIN_SHARED_PREFIX else 0 for n in seeds]
-        first, n_new, width = self.batch_size, len(prompts), max(seeds)
-        self._grow(n_new, columns=max(0, width - self.num_columns))
+        first, width = self.batch_size, max(seeds)
+        self.kv.grow(len(prompts), columns=max(0, width - self.num_columns),
+                     like=self._prefix[1] if self._prefix else None)
         if width:  # a new row starts at the left, like every row
-            for layer, (k, v) in zip(self.cache.layers, self._prefix[1]):
-                keys, values = layer.keys, layer.values
-                for j, n in enumerate(seeds):
-                    if n:
-                        keys[first + j, :, :n] = k[0, :, :n]
-                        values[first + j, :, :n] = v[0, :, :n]
-            for j, n in enumerate(seeds):
-                if n:
-                    self.attn[first + j, :n] = 1
-                    self.lengths[first + j] = self.ends[first + j] = n
+            self.kv.seed(first, seeds, self._prefix[1])
         return [p[n:] for p, n in zip(prompts, seeds)]
 
     def _cached(self, ids: list[int]) -> int:
@@ -174,30 +149,17 @@ class HFModelRunner(KVSurgery):
                    **cache_kw(one), use_cache=True, logits_to_keep=1)
         self._prefix = (list(ids), [(layer.keys, layer.values) for layer in one.layers])
 
-    def _grow(self, rows: int, columns: int) -> None:
-        """Add ``rows`` rows of holes, and ``columns`` hole columns at the right of every row."""
-        if rows == 0 and columns == 0:
-            return
-        if self.cache.get_seq_length() == 0:  # nothing cached yet: no tensors to grow
-            if columns:
-                self._materialise(self.batch_size + rows, columns)
-            else:
-                self.attn = torch.zeros(self.batch_size + rows, 0, dtype=torch.long, device=self.device)
-        else:
-            for layer in self.cache.layers:
-                layer.grow(rows, columns)
-            self.attn = torch.nn.functional.pad(self.attn, (0, columns, 0, rows))
-        self.lengths += [0] * rows
-        self.ends += [0] * rows
-
-    def _materialise(self, batch: int, columns: int) -> None:
-        k0, v0 = self._prefix[1][0]
-        for layer, (k, v) in zip(self.cache.layers, self._prefix[1]):
-            shape = (batch, k.shape[1], columns, k.shape[3])
-            keys, values = k.new_zeros(shape), v.new_zeros(shape)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-        self.attn = torch.zeros(batch, columns, dtype=torch.long, device=self.device)
+    def _capture_prefix(self) -> None:
+        """A lone new row whose prompt is now in the cache (its first columns, in order: it was
+        seeded at the left and fed right after) leaves a copy of that KV as the cached prefix. A row
+        whose next column equals its real-token count holds no hole before it: read on the host."""
+        for row, ids in self._capture.items():
+            n = len(ids)
+            if self.lengths[row] >= n and self.ends[row] == self.lengths[row]:
+                layers = self.cache.layers
+                self._prefix = (ids, [(layer.keys[row : row + 1, :, :n].clone(),
+                                       layer.values[row : row + 1, :, :n].clone()) for layer in layers])
+        self._capture.clear()
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -211,44 +173,72 @@ class HFModelRunner(KVSurgery):
         piece-local positions, per-column shift ``[n]``) standing for that row's pending tokens
         ``1 .. n`` (``ChunkKVStore.block_kv``); the row must have at least one token after them.
         ``reselect``: staged row -> how many of its staged tokens to recompute with full attention,
-        chosen as CacheBlend does (``_select_deviating``)."""
+        chosen as CacheBlend does (``KVSurgery.choose_deviating``)."""
         assert self.cache is not None and len(rows) == self.batch_size, "rows must match the batch"
         if staged:
-            return self._step_staged(rows, staged, reselect or {})
-        if reselect:
+            logits = self._step_staged(rows, staged, reselect or {})
+        elif reselect:
             raise ValueError("reselect names staged tokens, but nothing is staged")
-        lens = [len(r) for r in rows]
-        if not any(lens):
-            raise ValueError("no row has anything to feed")
-        if self.cache.get_seq_length() == 0 or (not self.has_holes and len(set(lens)) == 1):
-            logits = self._forward_columns(rows)
         else:
-            logits = self._forward_packed(rows)
-        if self._capture:
+            logits = self._forward(rows)
+        if self._capture:  # a joining row's prompt is whole in the cache only now
             self._capture_prefix()
         return logits
 
-    def _capture_prefix(self) -> None:
-        """A lone new row whose prompt is now in the cache (its first columns, in order: it was
-        seeded at the left and fed right after) leaves a copy of that KV as the cached prefix. A row
-        whose next column equals its real-token count holds no hole before it: read on the host."""
-        for row, ids in self._capture.items():
-            n = len(ids)
-            if self.lengths[row] >= n and self.ends[row] == self.lengths[row]:
-                layers = self.cache.layers
-                self._prefix = (ids, [(layer.keys[row : row + 1, :, :n].clone(),
-                                       layer.values[row : row + 1, :, :n].clone()) for layer in layers])
-        self._capture.clear()
+    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
+        """One forward over the rows' tokens: as new columns where that is plain, else packed."""
+        lens = [len(r) for r in rows]
+        if not any(lens):
+            raise ValueError("no row has anything to feed")
+        if self.kv.is_empty or (not self.has_holes and len(set(lens)) == 1):
+            return self._forward_columns(rows)
+        return self._forward_packed(rows)
 
-    def _mark_written(self, counts: dict[int, int], width: int) -> None:
-        """Rows ``i`` now hold ``counts[i]`` more real tokens at their next columns; the cache is
-        ``width`` columns wide."""
-        if width > self.num_columns:
-            self.attn = torch.nn.functional.pad(self.attn, (0, width - self.num_columns))
-        for i, n in counts.items():
-            self.attn[i, self.ends[i] : self.ends[i] + n] = 1
-            self.lengths[i] += n
-            self.ends[i] += n
+    def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]],
+                     reselect: dict[int, int]) -> torch.Tensor:
+        """Each staged row's first pending token (the marker's last) is fed, then its staged
+        columns copied in with their keys rotated to the positions that follow (``reselect``: some
+        of them recomputed in place), then its remaining pending tokens are fed after them."""
+        widths = {i: self.surgery.check_staged(i, kv, shift, rows) for i, (kv, shift) in staged.items()}
+        for i, k in reselect.items():
+            if i not in widths or not isinstance(k, int) or not 0 <= k <= widths[i]:
+                raise ValueError(f"row {i} reselects {k!r} tokens; it stages {widths.get(i, 0)}")
+        reselect = {i: k for i, k in reselect.items() if k}
+        self.surgery.rope()  # checked before anything is fed: the staged keys are re-rotated
+        if reselect:
+            self.surgery.decoder_layers()
+        logits = self._forward([r[:1] for r in rows])
+        plain = {i: kv for i, kv in staged.items() if i not in reselect}
+        if plain:
+            self.surgery.append_staged(plain, widths)
+        if reselect:
+            self._recompute_deviating(rows, {i: staged[i] for i in reselect}, widths, reselect)
+        rest = [r[1 + widths.get(i, 0):] for i, r in enumerate(rows)]
+        long = [i for i, r in enumerate(rest) if r]  # every staged row: it feeds a token after them
+        logits[long] = self._forward(rest)[long]
+        return logits
+
+    def _recompute_deviating(self, rows: list[list[int]], staged, widths: dict[int, int],
+                             reselect: dict[int, int]) -> None:
+        """CacheBlend's selective recompute. The staged tokens go through the model's first
+        ``KVSurgery.PROBE_LAYERS`` layers over the row's context (the forward stops there): layer 1
+        is the first whose KV depends on what precedes a token. Then every layer gets the staged
+        KV, and the ``reselect[i]`` tokens whose layer-1 values differ most from the staged ones
+        are recomputed through the whole model, in place, each attending by position to the staged
+        KV before it and the fresh KV of the others recomputed (``bench/zero_prefill_select.py``
+        measures what this restores)."""
+        probe = [rows[i][1 : 1 + widths[i]] if i in staged else [] for i in range(self.batch_size)]
+        with stop_after(self.surgery.decoder_layers(), KVSurgery.PROBE_LAYERS):
+            try:
+                self._forward(probe)
+            except ProbeDone:
+                pass
+        at = {i: (self.ends[i] - widths[i], self.lengths[i] - widths[i]) for i in staged}  # first column, position
+        chosen = self.surgery.choose_deviating(staged, widths, reselect, at)
+        self.surgery.append_staged(staged, widths, at)
+        feed = [[rows[i][1 + j] for j in chosen[i]] if i in chosen else [] for i in range(self.batch_size)]
+        self._forward_packed(feed, at={i: ([at[i][0] + j for j in js], [at[i][1] + j for j in js])
+                                       for i, js in chosen.items()})
 
     def _forward_columns(self, rows: list[list[int]]) -> torch.Tensor:
         """Every row's tokens as new right-hand columns, left-padded: a batch's first prompts, or
@@ -264,11 +254,9 @@ class HFModelRunner(KVSurgery):
                 new_mask[i, width - n :] = 1
                 pos[i, width - n :] = torch.arange(start, start + n)
             pos[i, : width - n] = start  # holes: any in-range position, they are masked out
-        self.attn = torch.cat([self.attn, self._upload(new_mask)], dim=1)
-        self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
-        self.ends = [self.num_columns if r else e for e, r in zip(self.ends, rows)]
-        out = self.model(input_ids=self._upload(ids), attention_mask=self.attn if self.has_holes else None,
-                         position_ids=self._upload(pos), **cache_kw(self.cache), use_cache=True, logits_to_keep=1)
+        self.kv.append_columns(new_mask, [len(r) for r in rows])
+        out = self.model(input_ids=self.kv.upload(ids), attention_mask=self.attn if self.has_holes else None,
+                         position_ids=self.kv.upload(pos), **cache_kw(self.cache), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
     def _forward_packed(self, rows: list[list[int]], at: dict[int, tuple[list[int], list[int]]] | None = None
@@ -282,26 +270,26 @@ class HFModelRunner(KVSurgery):
         fed = [i for i, r in enumerate(rows) if r]
         counts = [len(rows[i]) for i in fed]
         starts = [sum(counts[:j]) for j in range(len(fed))]
-        ids = self._upload(torch.tensor([[t for i in fed for t in rows[i]]]))
+        ids = self.kv.upload(torch.tensor([[t for i in fed for t in rows[i]]]))
         if at is None:
             pos = torch.cat([torch.arange(self.lengths[i], self.lengths[i] + n) for i, n in zip(fed, counts)])
             cols = torch.cat([torch.arange(self.ends[i], self.ends[i] + n) for i, n in zip(fed, counts)])
             width = max(self.num_columns, *(self.ends[i] + n for i, n in zip(fed, counts)))
-            self._mark_written(dict(zip(fed, counts)), width)
+            self.kv.mark_written(dict(zip(fed, counts)), width)
         else:
             pos = torch.tensor([p for i in fed for p in at[i][1]])
             cols = torch.tensor([c for i in fed for c in at[i][0]])
             width = self.num_columns
-        cols = self._upload(cols)
-        row_of = self._upload(torch.repeat_interleave(torch.tensor(fed), torch.tensor(counts)))
-        plan = packed_plan(self.model, self.attn.bool(), fed, counts, starts, cols, self._upload,
+        cols = self.kv.upload(cols)
+        row_of = self.kv.upload(torch.repeat_interleave(torch.tensor(fed), torch.tensor(counts)))
+        plan = packed_plan(self.model, self.attn.bool(), fed, counts, starts, cols, self.kv.upload,
                            in_place=at is not None)
         for layer in self.cache.layers:
             layer.scatter = (row_of, cols, width)
         try:
             with attention_implementation(self.model.config, PACKED_ATTENTION):
-                last = self._upload(torch.tensor([s + n - 1 for s, n in zip(starts, counts)]))
-                out = self.model(input_ids=ids, position_ids=self._upload(pos[None]), **cache_kw(self.cache),
+                last = self.kv.upload(torch.tensor([s + n - 1 for s, n in zip(starts, counts)]))
+                out = self.model(input_ids=ids, position_ids=self.kv.upload(pos[None]), **cache_kw(self.cache),
                                  use_cache=True, rig_packed=plan, logits_to_keep=last)
         finally:
             for layer in self.cache.layers:
@@ -313,67 +301,26 @@ class HFModelRunner(KVSurgery):
         full[fed] = logits
         return full
 
-    def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the model's device, queued on the stream without waiting for the GPU's
-        work (``kernels.to_device``), so a hop's second forward can be queued while its first still runs."""
-        return to_device(t, self.device)
-
     # -- removing rows, tokens and holes -----------------------------------------------------------
 
-    def drop_last(self, n: int) -> None:
-        """Forget every row's last ``n`` tokens, which must be its last ``n`` columns (a lone row,
-        or rows that all fed the same number of tokens since): benchmarks repeat a step this way."""
-        width = self.num_columns - n
-        if n < 1 or width < 0 or any(e != self.num_columns for e in self.ends) or not bool(self.attn[:, width:].all()):
-            raise ValueError(f"cannot drop the last {n} tokens: they are not every row's last {n} columns")
-        self._truncate(width)
-        self.lengths = [x - n for x in self.lengths]
-        self.ends = [width] * self.batch_size
+    def evict(self, row: int, start: int, end: int) -> None:
+        """Drop the row's cached tokens ``start:end`` (counting its real tokens); the keys after
+        them move back by ``end - start`` positions (``KVSurgery.evict``)."""
+        self.surgery.evict(row, start, end)
 
-    def _truncate(self, width: int) -> None:
-        """Drop every column from ``width`` on (views: nothing is copied)."""
-        for layer in self.cache.layers:
-            layer.truncate(width)
-        self.attn = self.attn[:, :width]
+    def drop_last(self, n: int) -> None:
+        """Forget every row's last ``n`` tokens (``RowCache.drop_last``): benchmarks repeat a step this way."""
+        self.kv.drop_last(n)
 
     def select(self, keep: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch and free their cache)."""
-        if keep == list(range(self.batch_size)):
-            return
-        if any(not isinstance(i, int) or not 0 <= i < self.batch_size for i in keep):
-            raise ValueError(f"cannot keep rows {keep}: the batch has rows 0..{self.batch_size - 1}")
-        self._capture.clear()
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if keep and self.cache.get_seq_length():
-            for layer in self.cache.layers:
-                layer.select_rows(keep)
-        self.attn = self.attn.index_select(0, idx)
-        self.lengths = [self.lengths[i] for i in keep]
-        self.ends = [self.ends[i] for i in keep]
-        if not keep:
-            self.reset(0)
-            return
-        self._truncate(max(self.ends))  # the columns past every row's last token
-        self.compact(force=True)  # the KV budget counts columns as wide as the longest row
+        if keep != list(range(self.batch_size)):
+            self._capture.clear()
+        self.kv.select(keep)
 
     def compact(self, force: bool = False) -> None:
-        """Left-align every row's tokens and drop the columns beyond the longest row's length (when
-        they are ``COMPACT_AT`` of the columns, or always with ``force``). The spare columns of a row
-        shorter than the longest stay: that row fills them as it decodes."""
-        if not self.batch_size or not self.num_columns:
-            return
-        width = max(self.lengths)
-        spare = self.num_columns - width
-        if spare == 0 or (not force and spare < self.COMPACT_AT * self.num_columns):
-            return
-        # For each row, the source column of each target column: real columns first, in order.
-        order = torch.argsort(self.attn, dim=1, descending=True, stable=True)[:, :width]
-        new_mask = torch.gather(self.attn, 1, order)
-        moved = (order != torch.arange(width, device=self.device)).any(dim=1).nonzero().flatten().tolist()
-        for layer in self.cache.layers:
-            layer.gather_columns(order, moved)
-        self.attn = new_mask
-        self.ends = list(self.lengths)
+        """Left-align every row's tokens and drop spare columns (``RowCache.compact``)."""
+        self.kv.compact(force)
 
 
 def common_prefix(rows: list[list[int]]) -> list[int]:

@@ -18,7 +18,25 @@ import torch
 
 from ..markers import MarkerMatcher
 from ..memory import EvidenceMemory
-from ..trace import Trace
+from ..trace import RetrievalStep, Trace
+
+
+@dataclass(slots=True)
+class PendingBlock:
+    """An evidence block whose first ``count`` tokens are spliced from precomputed piece KV
+    (``kernels/chunk_kv.py``) rather than computed: its tokens, its pieces' lengths (``segments``)
+    and leads, and how many of the copied tokens the runner recomputes by deviation (``reselect``,
+    CacheBlend)."""
+
+    token_ids: list[int]
+    segments: list[int]
+    count: int
+    leads: list[list[int]]
+    reselect: int = 0
+
+    def pieces(self) -> tuple:
+        """What ``ChunkKVStore.blocks_kv`` takes for it."""
+        return self.token_ids, self.segments, self.count, self.leads
 
 
 class SequenceStatus(Enum):
@@ -62,15 +80,12 @@ class Sequence:
     """``token_ids`` spans of the evidence blocks the cache still holds."""
     evicted: list[tuple[int, int]] = field(default_factory=list)
     """``token_ids`` spans the cache dropped, in order."""
-    staged_block: tuple[list[int], list[int], int, list[list[int]]] | None = None
-    """The pending evidence block to splice from precomputed KV (zero-prefill): its tokens, its
-    pieces' lengths, how many of its first tokens are copied and its pieces' leads; the next step assembles it (with
-    every other row's, their missing pieces computed in one forward) and consumes it."""
-    staged_reselect: int = 0
+    staged: PendingBlock | None = None
+    """The evidence block just queued, to splice from precomputed KV (zero-prefill): the next
+    step assembles it, with every other row's, and consumes it."""
     hop_info: dict = field(default_factory=dict)
     """What the coming hop's ``RetrievalStep.info`` records beside the retriever's (a failed reuse
     lookup, say)."""
-    """How many of the staged tokens the runner recomputes, chosen by deviation (CacheBlend)."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -119,7 +134,38 @@ class Sequence:
         self.mask += [int(sampled)] * len(token_ids)
         self.pending += token_ids
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, now: float, step: RetrievalStep | None = None) -> None:
+        """End the sequence. One parked on a marker gets that hop recorded (``step``, or one saying
+        why no evidence came), so every marker it completed has its ``RetrievalStep``."""
+        if self.status is SequenceStatus.RETRIEVING:
+            if step is None:
+                step = RetrievalStep(self.matcher.num_markers, self.query or "",
+                                     error=_UNSERVED.get(reason, f"{reason} at the marker; no retrieval"),
+                                     position=len(self.token_ids))
+                if self.parked_at:
+                    step.latency_ms = (now - self.parked_at) * 1e3
+            step.fallback = step.fallback or "no evidence: finished"
+            self.trace.retrieval_steps.append(step)
+        self.ticket = 0  # a search still in flight is dropped when it returns
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason
-        self.trace.finish_reason = reason
         self.pending.clear()
+        self.staged = None
+        self.trace.finish_reason = reason
+        self.trace.total_ms = (now - self.arrival) * 1e3
+        self.trace.marker_tokens = self.matcher.num_marker_tokens()
+
+    def fail(self, what: str, error: BaseException | str, now: float, step: RetrievalStep | None = None) -> None:
+        """The engine failed while ``what`` for this sequence: the failure is recorded as an
+        engine error (never a marker error: the model did nothing wrong) and the sequence ends
+        with reason ``error``; its cache leaves the batch at the next step."""
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.trace.engine_errors.append(f"{what}: {why}" if what else why)
+        if not self.is_finished:
+            self.finish("error", now, step)
+
+
+_UNSERVED = {"length": "token limit reached at the marker; no retrieval",
+             "context_full": "context full at the marker; no retrieval",
+             "deadline": "deadline passed before the evidence came; no retrieval",
+             "cancelled": "cancelled before the evidence came; no retrieval",
+             "error": "the row failed before its evidence came; no retrieval"}

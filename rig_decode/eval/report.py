@@ -26,6 +26,7 @@ COLUMNS = [
     ("hops_per_question", "hops/q", _num(".2f")),
     ("unnecessary_retrieval_rate", "unneeded ret. %", _pct),
     ("marker_validity", "marker valid %", _pct),
+    ("engine_error_rate", "engine err. %", _pct),
     ("token_overhead", "token overhead", _num(".2f")),
     ("total_tokens_per_question", "tokens/q", _num(".0f")),
     ("evidence_kept_per_question", "evidence kept/q", _num(".0f")),

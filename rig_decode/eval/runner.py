@@ -174,6 +174,7 @@ class EvalRunner:
             "support_recall": (len(retrieved & set(ex.supporting_docs)) / len(ex.supporting_docs)
                                if ex.supporting_docs else None),
             "markers_valid": markers_ok, "markers_invalid": markers_bad,
+            "engine_errors": len(trace.engine_errors),
             "token_overhead": (trace.marker_tokens + trace.evidence_tokens) / answer_tokens,
             "total_tokens": trace.prompt_tokens + trace.generated_tokens
                             + (trace.evidence_tokens if key.method != "rag" else 0),
@@ -207,6 +208,7 @@ def aggregate(records: list[dict], wall_s: float) -> dict:
         "hops_per_question": M.mean([r["hops"] for r in records]),
         "unnecessary_retrieval_rate": M.mean([float(r["hops"] > 0) for r in no_need]),
         "marker_validity": sum(r["markers_valid"] for r in records) / markers if markers else None,
+        "engine_error_rate": M.mean([float(r.get("engine_errors", 0) > 0) for r in records]),
         "token_overhead": M.mean([r["token_overhead"] for r in records]),
         "total_tokens_per_question": M.mean([r["total_tokens"] for r in records]),
         "evidence_kept_per_question": M.mean([r["evidence_kept"] for r in records]),

@@ -376,7 +376,7 @@ def value_deviation(reused: torch.Tensor, in_context: torch.Tensor) -> torch.Ten
     """Per token, how far reused values are from the same tokens' values computed in context:
     relative squared L2 over heads and head dims, in fp32. Tensors are ``[..., tokens, head_dim]``
     with the same shape (e.g. ``[kv_heads, n, head_dim]``); the result is ``[tokens]``. CacheBlend
-    recomputes the tokens this ranks first (``HFModelRunner._select_deviating``)."""
+    recomputes the tokens this ranks first (``KVSurgery.choose_deviating``)."""
     reused, in_context = reused.float(), in_context.float()
     dims = [d for d in range(in_context.dim()) if d != in_context.dim() - 2]
     return ((reused - in_context) ** 2).sum(dim=dims) / (in_context**2).sum(dim=dims).clamp_min(1e-12)

@@ -68,7 +68,7 @@ def rig_json(trace: Trace, text: str | None = None) -> dict:
                ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
     return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
             "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
-            "marker_errors": list(trace.marker_errors), "timings": timings, "gate": list(trace.gate),
+            "marker_errors": list(trace.marker_errors), "engine_errors": list(trace.engine_errors), "timings": timings, "gate": list(trace.gate),
             "citations": [c.to_json() for c in check_citations(text, trace_docs(trace))] if text else []}
 
 
@@ -372,8 +372,8 @@ def _endpoint(request: Request) -> str:
 
 
 def _engine_error(seq) -> str:
-    errors = [e for e in seq.trace.marker_errors if e.startswith("engine error")]
-    return errors[-1] if errors else "engine error"
+    errors = seq.trace.engine_errors
+    return f"engine error: {errors[-1]}" if errors else "engine error"
 
 
 def _model_card(server: Server) -> dict:
