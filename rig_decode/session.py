@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .citations import check_citations, trace_docs
 from .config import RigConfig
 from .gate import settings_from_config
 from .memory import EvidenceMemory
 from .engine.engine import EngineOptions, RigEngine
-from .engine.sequence import Sequence
 from .markers import MarkerSpec
 from .prompt import build_prompt
 from .retrieval.base import Retriever
@@ -106,40 +104,25 @@ class RigSession:
         if not questions:
             return []
         seqs = [
-            self.engine.new_sequence(self.prompt_ids(q), seq_id=i, question=q if isinstance(q, str) else "")
+            self.engine.new_sequence(self.prompt_ids(q), seq_id=i, question=q if isinstance(q, str) else "",
+                                     raw=self.config.rig.show_markers)
             for i, q in enumerate(questions)
         ]
         self.engine.generate(seqs)
-        out = []
-        for s in seqs:
-            text = self.answer_text(s)
-            s.trace.citations = [c.to_json() for c in check_citations(text, trace_docs(s.trace))]
-            out.append((text, s.trace))
-        return out
+        return [(s.answer_text.strip(), s.trace) for s in seqs]
 
     def chat(self, messages: list[dict], memory: EvidenceMemory | None = None) -> tuple[str, Trace]:
         """Answer the last user message of a chat. With ``memory`` (one per conversation), the
         prompt carries the documents earlier turns retrieved, a near-duplicate query references
         them instead of searching again, and this turn's documents are remembered."""
         question = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
-        seq = self.engine.new_sequence(self.prompt_ids(messages, memory), seq_id=0, question=question, memory=memory)
-        self.engine.generate([seq])
-        text = self.answer_text(seq)
-        seq.trace.citations = [c.to_json() for c in check_citations(text, trace_docs(seq.trace))]
-        if memory is not None:
-            memory.remember(seq.trace)
-        return text, seq.trace
+        seq = self.engine.new_sequence(self.prompt_ids(messages, memory), seq_id=0, question=question, memory=memory,
+                                       raw=self.config.rig.show_markers)
+        self.engine.generate([seq])  # the engine checks citations and tells memory this turn's documents
+        return seq.answer_text.strip(), seq.trace
 
     def conversation(self) -> "Conversation":
         return Conversation(self)
-
-    def answer_text(self, seq: Sequence) -> str:
-        if not self.config.rig.show_markers:
-            return seq.matcher.visible_text().strip()
-        ids = seq.completion_ids
-        if seq.finish_reason == "stop":
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False).strip()
 
     def close(self) -> None:
         """Stop the retrieval worker and the runner (vLLM's engine with it); idempotent."""

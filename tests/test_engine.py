@@ -135,3 +135,44 @@ def test_retriever_decisions_reach_the_trace(model, tok):
     step = e.generate([e.new_sequence(tok.encode("q"), 0)])[0].trace.retrieval_steps[0]
     assert step.info["router"] == "exact terms" and step.fallback.startswith("dense search failed")
     assert step.error is None and [d.id for d in step.docs] == ["d1"]
+
+
+def test_a_stop_string_finishes_the_request_in_the_engine(model, tok):
+    """Stop strings are the engine's: the row ends at once with reason ``stop`` (no cancel, no one
+    rewriting its trace), its answer cut before the string, and no token decoded after it."""
+    said = tok.encode(" Release fixed it. Then more text follows", add_special_tokens=False)
+    e = make(model, tok, {0: {0: said}}, max_new_tokens=len(said) + 10)
+    free = e.generate([e.new_sequence(tok.encode("q"), 0)])[0]
+    assert "fixed it. Then" in free.answer_text
+    e = make(model, tok, {0: {0: said}}, max_new_tokens=len(said) + 10)
+    s = e.generate([e.new_sequence(tok.encode("q"), 0, stop=["it."])])[0]
+    assert s.finish_reason == "stop" and s.trace.finish_reason == "stop"
+    assert s.answer_text == "Release fixed "
+    assert s.num_generated < len(said)  # stopped where the string completed, not at the token limit
+
+
+def test_the_engine_finishes_a_turn_once_citations_and_memory_included(model, tok):
+    """The citation check and the conversation memory happen when the sequence finishes, for every
+    caller; a failed turn is not remembered."""
+    from rig_decode.memory import EvidenceMemory
+
+    m = marker(tok, "E1234")
+    memory = EvidenceMemory()
+    said = tok.encode(" Fixed in 4.2.1 [1].", add_special_tokens=False) + [tok.eos_token_id]
+    e = make(model, tok, {0: {0: m, len(m): said}}, max_new_tokens=len(m) + len(said) + 5)
+    s = e.generate([e.new_sequence(tok.encode("q"), 0, memory=memory)])[0]
+    assert s.finish_reason == "stop" and s.answer_text == "Fixed in 4.2.1 [1]."
+    assert [c["number"] for c in s.trace.citations] == [1] and s.trace.citations[0]["valid"]
+    shown = [d.id for d in s.trace.retrieval_steps[0].docs]
+    assert [q for q, _ in memory.queries] == ["E1234"] and [d.id for d in memory.docs] == shown and shown
+
+    class Fails:
+        def apply(self, rows, scores):
+            raise RuntimeError("broken processor")
+
+    failed = EvidenceMemory()
+    e = make(model, tok, {0: {0: m}})
+    e.processors.insert(0, Fails())
+    s = e.generate([e.new_sequence(tok.encode("q"), 0, memory=failed)])[0]
+    assert s.finish_reason == "error" and "broken processor" in s.trace.engine_errors[0]
+    assert not failed.queries and not failed.docs

@@ -67,7 +67,7 @@ def test_stop_strings_are_cut_and_held_back():
 
 def test_the_answer_starts_at_its_first_word():
     """A marker adapter writes its answer after a space (and after a marker, the text resumes with
-    one): the stream starts at the answer's first character, as ``RigSession.answer_text`` does."""
+    one): the stream starts at the answer's first character, as ``Sequence.answer_text`` does."""
     out, _ = _stream(" Saibou", 0, "Tetrula Labs headquarters")
     assert "".join(out) == "Saibou" and out[0] == ""
     raw, _ = _stream(" Saibou", None, "", raw=True)

@@ -3,11 +3,12 @@
 The engine's step loop runs on its own thread. After every step the loop turns what changed into
 events and hands each to its request's asyncio queue:
 
-    TokenEvent(token_ids, mask, visible)  tokens appended since the last event (mask 0 = evidence/
-                                  forced), and the answer's visible bytes so far (markers removed,
-                                  a possible marker start held back)
+    TokenEvent(token_ids, mask, text)  tokens appended since the last event (mask 0 = evidence/
+                                  forced), and the answer text that became final with them
+                                  (``Sequence.advance_answer``: markers hidden, a possible marker
+                                  or stop-string start held back)
     HopEvent(step)                a retrieval finished and its evidence was queued for splicing
-    FinishEvent(reason, trace, visible)  the request is done (all visible bytes); nothing follows
+    FinishEvent(reason, trace, text)  the request is done (the rest of the answer); nothing follows
 
 Events are built on the engine thread between steps, so what they carry is a consistent snapshot:
 consumers never read a sequence's state while the engine changes it.
@@ -31,7 +32,7 @@ from .sequence import Sequence
 class TokenEvent:
     token_ids: list[int]
     mask: list[int]
-    visible: bytes = b""
+    text: str = ""
 
 
 @dataclass(slots=True)
@@ -43,14 +44,14 @@ class HopEvent:
 class FinishEvent:
     reason: str
     trace: Trace
-    visible: bytes = b""
+    text: str = ""
 
 
 class RequestHandle:
     def __init__(self, engine: "AsyncRigEngine", seq: Sequence, loop: asyncio.AbstractEventLoop):
         self.seq, self._engine, self._loop = seq, engine, loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self._sent_tokens, self._sent_hops, self._done = len(seq.prompt_ids), 0, False
+        self._sent_tokens, self._sent_hops, self._sent_text, self._done = len(seq.prompt_ids), 0, 0, False
 
     @property
     def seq_id(self) -> int:
@@ -80,18 +81,25 @@ class RequestHandle:
             end = step.position  # tokens up to the evidence go out before the hop event
             if end > self._sent_tokens:
                 out.append(TokenEvent(s.token_ids[self._sent_tokens : end], s.mask[self._sent_tokens : end],
-                                      s.matcher.visible_bytes(final=False)))
+                                      self._new_text(s)))
                 self._sent_tokens = end
             out.append(HopEvent(step))
             self._sent_hops += 1
         if len(s.token_ids) > self._sent_tokens:
-            out.append(TokenEvent(s.token_ids[self._sent_tokens :], s.mask[self._sent_tokens :],
-                                  s.matcher.visible_bytes(final=False)))
+            out.append(TokenEvent(s.token_ids[self._sent_tokens :], s.mask[self._sent_tokens :], self._new_text(s)))
             self._sent_tokens = len(s.token_ids)
         if s.is_finished and not self._done:
-            out.append(FinishEvent(s.finish_reason or "", s.trace, s.matcher.visible_bytes(final=True)))
+            out.append(FinishEvent(s.finish_reason or "", s.trace, self._new_text(s)))
             self._done = True
         return out
+
+    def _new_text(self, s: Sequence) -> str:
+        """The answer text not sent yet (``finish`` made all of it final already)."""
+        if not s.is_finished:
+            s.advance_answer()
+        text = s.answer_text
+        new, self._sent_text = text[self._sent_text :], len(text)
+        return new
 
 
 class AsyncRigEngine:

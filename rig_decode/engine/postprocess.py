@@ -1,6 +1,7 @@
 """The step's postprocess: each row's sampled token is appended, timed, fed to the row's marker
 matcher (a completed marker parks the row with its query) and checked against the stop tokens,
-the row's token limit, the context and its deadline. It returns the rows that parked; the hop
+the request's stop strings (in its answer text), the row's token limit, the context and its
+deadline. It returns the rows that parked; the hop
 handler takes them from there.
 """
 
@@ -63,7 +64,11 @@ def _take_token(s: Sequence, tok: int, forced: bool, stop_ids: list[int], contex
             s.status, s.query = RETRIEVING, ev.query
         else:
             s.trace.marker_errors.append("a second marker in the same token was ignored")
-    if s.num_generated >= s.max_new_tokens:
+    if s.answer is not None and s.answer.stop:
+        s.advance_answer()
+    if s.hit_stop_string:
+        s.finish("stop", now)
+    elif s.num_generated >= s.max_new_tokens:
         s.finish("length", now)
     elif s.num_kept >= context_limit:
         s.finish("context_full", now)

@@ -7,6 +7,11 @@ same mask training uses to keep evidence out of the loss. ``pending`` holds the 
 marker-completing token plus the evidence block after a hop, which is then prefilled in one go.
 With ``append_format: summary`` the cache drops old evidence blocks (``evicted``): it holds
 ``kept_ids``, the token list minus those spans.
+
+A sequence also carries its answer as text (``answer``: the visible text, markers hidden, or the
+raw completion; cut at the request's stop strings) and is finished in one place, ``finish``, for
+every caller (session, server, eval): the answer's last text, its citations checked against the
+documents its hops showed, and the conversation's memory told what this turn retrieved.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from enum import Enum
 
 import torch
 
+from ..citations import check_citations, trace_docs
 from ..markers import MarkerMatcher
 from ..memory import EvidenceMemory
+from ..textstream import TextDeltas
 from ..trace import RetrievalStep, Trace
 
 
@@ -86,11 +93,16 @@ class Sequence:
     hop_info: dict = field(default_factory=dict)
     """What the coming hop's ``RetrievalStep.info`` records beside the retriever's (a failed reuse
     lookup, say)."""
+    answer: TextDeltas | None = None
+    """The answer's text as it becomes final (``advance_answer``); its stop strings end the sequence."""
+    answer_at: int = 0
+    """Tokens of ``token_ids`` the answer has seen."""
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
         self.mask = [0] * len(self.prompt_ids)
         self.pending = list(self.prompt_ids)
+        self.answer_at = len(self.prompt_ids)
         self.trace.prompt_tokens = len(self.prompt_ids)
 
     @property
@@ -134,6 +146,23 @@ class Sequence:
         self.mask += [int(sampled)] * len(token_ids)
         self.pending += token_ids
 
+    @property
+    def answer_text(self) -> str:
+        """The answer handed out so far (all of it once finished)."""
+        return self.answer.text if self.answer is not None else self.matcher.visible_text().lstrip()
+
+    def advance_answer(self, final: bool = False) -> str:
+        """The answer's text that became final since the last call (all the rest when ``final``);
+        after a stop string, nothing more."""
+        if self.answer is None:
+            return ""
+        new, self.answer_at = self.token_ids[self.answer_at :], len(self.token_ids)
+        return self.answer.feed(new, self.matcher.visible_bytes(final=final), final=final)
+
+    @property
+    def hit_stop_string(self) -> bool:
+        return self.answer is not None and self.answer.stopped
+
     def finish(self, reason: str, now: float, step: RetrievalStep | None = None) -> None:
         """End the sequence. One parked on a marker gets that hop recorded (``step``, or one saying
         why no evidence came), so every marker it completed has its ``RetrievalStep``."""
@@ -153,6 +182,10 @@ class Sequence:
         self.trace.finish_reason = reason
         self.trace.total_ms = (now - self.arrival) * 1e3
         self.trace.marker_tokens = self.matcher.num_marker_tokens()
+        self.advance_answer(final=True)
+        self.trace.citations = [c.to_json() for c in check_citations(self.answer_text, trace_docs(self.trace))]
+        if self.memory is not None and reason != "error":
+            self.memory.remember(self.trace)
 
     def fail(self, what: str, error: BaseException | str, now: float, step: RetrievalStep | None = None) -> None:
         """The engine failed while ``what`` for this sequence: the failure is recorded as an

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..citations import check_citations, trace_docs
 from ..engine.engine import RigEngine
 from ..gate import settings_from_config
 from ..markers import MarkerSpec
@@ -82,10 +81,8 @@ def run_conversations(config, model, tokenizer, retriever, conversations: list[d
                 seqs.append(engine.new_sequence(ids, seq_id=i, question=turn["question"], memory=mem))
             engine.generate(seqs)
             for i, seq in zip(live, seqs):
-                turn, answer = conversations[i]["turns"][k], seq.matcher.visible_text().strip()
-                chats[i].append({"role": "assistant", "content": answer})
-                if memories[i] is not None:
-                    memories[i].remember(seq.trace)
+                turn, answer = conversations[i]["turns"][k], seq.answer_text.strip()
+                chats[i].append({"role": "assistant", "content": answer})  # the engine told memory this turn's documents
                 records.append(_record(conversations[i]["id"], k, turn, answer, seq.trace))
             bar.update(len(live))
         bar.close()
@@ -96,7 +93,7 @@ def run_conversations(config, model, tokenizer, retriever, conversations: list[d
 
 def _record(conv_id: str, k: int, turn: dict, answer: str, trace) -> dict:
     steps = trace.retrieval_steps
-    cites = check_citations(answer, trace_docs(trace))
+    cites = trace.citations  # checked by the engine when the turn finished
     answers = turn.get("answers") or []
     return {"conversation": conv_id, "turn": k, "kind": turn.get("kind", ""), "question": turn["question"],
             "answers": answers, "prediction": answer, "needs_retrieval": turn.get("needs_retrieval"),
@@ -105,8 +102,8 @@ def _record(conv_id: str, k: int, turn: dict, answer: str, trace) -> dict:
             "hops": len(steps), "searches": sum(1 for s in steps if "reuse" not in s.info),
             "reused": sum(1 for s in steps if "reuse" in s.info),
             "vetoes": sum(1 for d in trace.gate if d["action"] == "veto"),
-            "citations": len(cites), "citations_valid": sum(c.valid for c in cites),
-            "citations_supported": sum(c.supported for c in cites), "trace": trace.to_dict()}
+            "citations": len(cites), "citations_valid": sum(c["valid"] for c in cites),
+            "citations_supported": sum(c["supported"] for c in cites), "trace": trace.to_dict()}
 
 
 def redundant_turns(records: list[dict]) -> list[dict]:

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -28,14 +29,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..citations import check_citations, trace_docs
 from ..config import RigConfig
 from ..engine.async_engine import AsyncRigEngine, FinishEvent, HopEvent, RequestHandle, TokenEvent
 from ..engine.engine import RigEngine
 from ..markers import MarkerSpec
 from ..memory import EvidenceMemory
 from ..prompt import build_prompt
-from ..textstream import TextDeltas
 from ..trace import RetrievalStep, Trace
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
@@ -43,6 +42,15 @@ from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 # The engine's finish reasons, in OpenAI's vocabulary (the exact one is in ``rig.finish_reason``).
 _FINISH = {"stop": "stop", "length": "length", "context_full": "length", "deadline": "length",
            "cancelled": "stop", "error": "stop"}
+
+
+@dataclass(slots=True)
+class Update:
+    """One piece of a request's progress: answer ``text``, a finished ``hop``, or the ``finish`` reason."""
+
+    text: str = ""
+    hop: RetrievalStep | None = None
+    finish: str | None = None
 
 
 class ApiError(Exception):
@@ -62,14 +70,14 @@ def hop_json(step: RetrievalStep) -> dict:
             "fallback": step.fallback, "error": step.error, "info": step.info}
 
 
-def rig_json(trace: Trace, text: str | None = None) -> dict:
-    """The ``rig`` extension object; with the answer ``text``, its citations, checked."""
+def rig_json(trace: Trace) -> dict:
+    """The ``rig`` extension object (a finished request's trace: citations checked by the engine)."""
     timings = {k: round(getattr(trace, k), 1) for k in
                ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
     return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
             "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
             "marker_errors": list(trace.marker_errors), "engine_errors": list(trace.engine_errors), "timings": timings, "gate": list(trace.gate),
-            "citations": [c.to_json() for c in check_citations(text, trace_docs(trace))] if text else []}
+            "citations": list(trace.citations)}
 
 
 def usage_json(trace: Trace) -> dict:
@@ -149,41 +157,30 @@ class Server:
         try:
             return self.front.submit(ids, question=_question(req), max_new_tokens=max_new,
                                      max_iterations=hops, top_k=req.rig.top_k, temperature=req.temperature,
-                                     top_p=req.top_p, seed=req.seed, memory=memory)
+                                     top_p=req.top_p, seed=req.seed, memory=memory, stop=req.stop,
+                                     raw=req.rig.show_evidence)
         except ValueError as e:  # prompt too long for the context or the KV budget
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
-    def text_stream(self, req: GenerationRequest) -> TextDeltas:
-        return TextDeltas(self.engine.vocab, self.engine.stop_ids, raw=req.rig.show_evidence, stop=req.stop)
-
     # -- events -> OpenAI JSON ---------------------------------------------------------------------
 
-    async def updates(self, handle: RequestHandle, req: GenerationRequest, text: TextDeltas | None = None):
-        """A request's progress as ``(text, hop, finish_reason)`` updates: new answer text, a hop
-        that finished, or the end. Leaving early (the client went away) cancels the request."""
-        text = text or self.text_stream(req)
+    async def updates(self, handle: RequestHandle):
+        """A request's progress as ``Update``s: new answer text, a hop that finished, or the end
+        (the engine finished the request: stop strings, citations and memory included). Leaving
+        early (the client went away) cancels the request."""
         finished = False
         try:
             async for ev in handle:
                 if isinstance(ev, TokenEvent):
-                    delta = text.feed(ev.token_ids, ev.visible)
-                    if delta:
-                        yield delta, None, None
-                    if text.stopped and not handle.seq.cancelled:  # a stop string: stop decoding
-                        handle.cancel()  # ... and wait for the engine's finish (trace, memory)
+                    if ev.text:
+                        yield Update(text=ev.text)
                 elif isinstance(ev, HopEvent):
-                    if not text.stopped:
-                        yield "", ev.step, None
+                    yield Update(hop=ev.step)
                 elif isinstance(ev, FinishEvent):
                     finished = True
-                    delta = text.feed([], ev.visible, final=True)
-                    if delta:
-                        yield delta, None, None
-                    if text.stopped:
-                        ev.trace.finish_reason = "stop"  # the engine saw a cancel; the client, its stop string
-                    if handle.seq.memory is not None and ev.reason != "error":
-                        handle.seq.memory.remember(ev.trace)
-                    yield "", None, "stop" if text.stopped else _FINISH.get(ev.reason, "stop")
+                    if ev.text:
+                        yield Update(text=ev.text)
+                    yield Update(finish=_FINISH.get(ev.reason, "stop"))
                     return
         finally:
             if not finished:
@@ -303,18 +300,17 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                 if chat:
                     yield _sse({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                     "finish_reason": None, "logprobs": None}]})
-                answer = server.text_stream(req)
-                async for text, step, finish in server.updates(handle, req, answer):
-                    if step is not None:  # an extension chunk: no choices, OpenAI clients skip it
-                        yield _sse({**obj, "choices": [], "rig": {"hop": hop_json(step)}})
-                    elif finish is not None and seq.finish_reason == "error":  # OpenAI's in-stream error
+                async for up in server.updates(handle):
+                    if up.hop is not None:  # an extension chunk: no choices, OpenAI clients skip it
+                        yield _sse({**obj, "choices": [], "rig": {"hop": hop_json(up.hop)}})
+                    elif up.finish is not None and seq.finish_reason == "error":  # OpenAI's in-stream error
                         yield _sse(error_body(_engine_error(seq), "server_error", "engine_error"))
-                    elif finish is not None:
-                        yield _sse({**obj, "choices": [choice(text, finish)], "rig": rig_json(seq.trace, answer.text)})
+                    elif up.finish is not None:
+                        yield _sse({**obj, "choices": [choice(up.text, up.finish)], "rig": rig_json(seq.trace)})
                         if req.include_usage:
                             yield _sse({**obj, "choices": [], "usage": usage_json(seq.trace)})
-                    elif text:
-                        yield _sse({**obj, "choices": [choice(text, None)]})
+                    elif up.text:
+                        yield _sse({**obj, "choices": [choice(up.text, None)]})
                 yield "data: [DONE]\n\n"
 
             server.metrics.requests.labels(_endpoint(request), "200").inc()
@@ -324,9 +320,9 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
         parts, finish = [], "stop"
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         try:
-            async for text, _, fin in server.updates(handle, req):
-                parts.append(text)
-                finish = fin or finish
+            async for up in server.updates(handle):
+                parts.append(up.text)
+                finish = up.finish or finish
         finally:
             watcher.cancel()
         if seq.finish_reason == "error":
@@ -339,7 +335,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
         else:
             out = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
         return {**base, "object": kind, "choices": [out], "usage": usage_json(seq.trace),
-                "rig": rig_json(seq.trace, content)}
+                "rig": rig_json(seq.trace)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
