@@ -11,7 +11,7 @@ from rig_decode.retrieval.base import Document, RetrievalError
 from rig_decode.retrieval.dense import DenseSearcher, Embedder
 from rig_decode.retrieval.factory import build_retriever, demo_corpus_path
 from rig_decode.retrieval.filters import compile_filter, filter_mask
-from rig_decode.retrieval.hybrid import IndexRetriever
+from rig_decode.retrieval.index_retriever import IndexRetriever
 from rig_decode.retrieval.ingest import Chunking, build_index, chunk_document, load_documents, read_folder
 from rig_decode.retrieval.store import IndexStore
 from rig_decode.retrieval.text import exact_terms, tokenize

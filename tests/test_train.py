@@ -15,7 +15,7 @@ from rig_decode.eval import worlds  # noqa: E402
 from rig_decode.eval.synth import generate  # noqa: E402
 from rig_decode.retrieval.base import Document, Hit  # noqa: E402
 from rig_decode.retrieval.dense import Embedder  # noqa: E402
-from rig_decode.retrieval.hybrid import IndexRetriever  # noqa: E402
+from rig_decode.retrieval.index_retriever import IndexRetriever  # noqa: E402
 from rig_decode.retrieval.ingest import Chunking, build_index  # noqa: E402
 from rig_decode.retrieval.store import IndexStore  # noqa: E402
 from rig_decode.train.data import TraceBuilder, variant_tokenizer  # noqa: E402

@@ -41,7 +41,17 @@ class RetrievalResult:
     attempts: int = 1
 
 
-Job = tuple[int, int, str, int]  # ticket, seq_id, query, top_k
+@dataclass(slots=True)
+class Job:
+    """One submitted query: its ticket, whose it is, and how many hits it wants."""
+
+    ticket: int
+    seq_id: int
+    query: str
+    top_k: int
+
+    def failed(self, error: str, ms: float, batch_size: int, attempts: int = 1) -> RetrievalResult:
+        return RetrievalResult(self.ticket, self.seq_id, [], error, ms, batch_size, attempts)
 
 
 @dataclass(eq=False, slots=True)
@@ -81,13 +91,13 @@ class RetrievalWorker:
         one step's queries go to the retriever in one call."""
         with self._cond:
             self._next_ticket += 1
-            job = (self._next_ticket, seq_id, query, top_k or self.top_k)
+            job = Job(self._next_ticket, seq_id, query, top_k or self.top_k)
             refusal = "no retriever configured" if self.retriever is None else self._degraded_reason()
             if refusal:  # answered now: the hop gets its no-evidence block without a wait
-                self._done.append(RetrievalResult(job[0], seq_id, [], refusal, 0.0, 0, 0))
+                self._done.append(job.failed(refusal, 0.0, 0, 0))
             else:
                 self._pending.append(job)
-            return job[0]
+            return job.ticket
 
     def flush(self) -> None:
         """Hand the queries submitted so far to the search thread."""
@@ -160,7 +170,7 @@ class RetrievalWorker:
             self._lane.thread.start()
 
     def _fail(self, batch: list[Job], error: str, seconds: float) -> None:
-        self._done += [RetrievalResult(t, sid, [], error, seconds * 1e3, len(batch), 1) for t, sid, _, _ in batch]
+        self._done += [job.failed(error, seconds * 1e3, len(batch)) for job in batch]
         self._cond.notify_all()
 
     # -- the lane -----------------------------------------------------------------------------------
@@ -177,8 +187,8 @@ class RetrievalWorker:
             try:
                 results = self._search(me, batch)
             except BaseException as e:  # noqa: BLE001 - a bug of ours fails the batch, not the lane
-                results = [RetrievalResult(t, sid, [], f"retrieval failed: {type(e).__name__}: {_clip(str(e))}",
-                                           0.0, len(batch), 1) for t, sid, _, _ in batch]
+                results = [job.failed(f"retrieval failed: {type(e).__name__}: {_clip(str(e))}", 0.0, len(batch))
+                           for job in batch]
             with self._cond:
                 self.calls += 1
                 if self._lane is not me:  # abandoned while searching: its tickets have their results
@@ -192,12 +202,12 @@ class RetrievalWorker:
     def _search(self, me: _Lane, batch: list[Job]) -> list[RetrievalResult]:
         """One search for the whole batch, at its largest ``top_k``; each query keeps its own."""
         t0 = time.perf_counter()
-        queries = [q for _, _, q, _ in batch]
+        queries = [job.query for job in batch]
         checked, error, attempts = None, None, 0
         while attempts <= self.retries and self._lane is me:
             attempts += 1
             try:
-                raw = self.retriever.search_batch(queries, max(k for *_, k in batch))
+                raw = self.retriever.search_batch(queries, max(job.top_k for job in batch))
                 checked, error = check_results(raw, len(queries)), None
                 break
             except BaseException as e:  # noqa: BLE001 - whatever a retriever raises becomes a recorded hop
@@ -205,13 +215,14 @@ class RetrievalWorker:
         ms = (time.perf_counter() - t0) * 1e3
         attempts = max(1, attempts)
         if checked is None:
-            return [RetrievalResult(t, sid, [], error, ms, len(batch), attempts) for t, sid, _, _ in batch]
+            return [job.failed(error, ms, len(batch), attempts) for job in batch]
         out = []
-        for (t, sid, _, k), hits in zip(batch, checked):
+        for job, hits in zip(batch, checked):
             if isinstance(hits, str):
-                out.append(RetrievalResult(t, sid, [], hits, ms, len(batch), attempts))
+                out.append(job.failed(hits, ms, len(batch), attempts))
             else:  # each keeps its HitList (the retriever's per-query decisions), cut to its top_k
-                out.append(RetrievalResult(t, sid, HitList(hits[:k], hits.info), None, ms, len(batch), attempts))
+                out.append(RetrievalResult(job.ticket, job.seq_id, HitList(hits[:job.top_k], hits.info), None, ms,
+                                           len(batch), attempts))
         return out
 
 

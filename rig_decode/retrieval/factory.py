@@ -10,7 +10,7 @@ from pathlib import Path
 from ..config import RetrieverConfig
 from .base import Document, RetrievalError, Retriever
 from .dense import Embedder
-from .hybrid import IndexRetriever
+from .index_retriever import IndexRetriever
 from .ingest import Chunking, build_index, load_documents
 from .store import IndexStore
 
