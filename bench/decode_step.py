@@ -15,6 +15,12 @@ identical logits and that packed picks the same greedy tokens.
 
     python bench/decode_step.py [--batches 1,8,16] [--contexts 300,1000] [--steps 10] [--repeats 2]
 
+With ``--shapes`` (random weights, ``bench/random_qwen.py``; ``--device``, ``--quant``, ``--cap-gib``):
+decode tokens/s of the engine's runner (``HFModelRunner`` steps after a prefill of random prompts,
+greedy), per batch and context, each the median of ``--steps`` steps after one warm-up::
+
+    python bench/decode_step.py --shapes qwen2.5-32b --batches 1,8 --contexts 1024 --steps 16 --cap-gib 24
+
 Prints a table, then one JSON line.
 """
 
@@ -33,7 +39,9 @@ from rig_decode.models.kv_buffers import new_cache
 from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 
-from harness import Table, emit  # bench/ is on sys.path when run as a script
+import random_qwen  # bench/ is on sys.path when run as a script
+from harness import Table, emit
+from timing import Clock, prefill, random_ids
 
 SETUPS = ("dynamic", "buffered", "packed")
 
@@ -55,13 +63,45 @@ def measure(model, batch: int, context: int, steps: int, buffered: bool) -> tupl
     return times, torch.cat(logits)
 
 
+@torch.no_grad()
+def runner_tok_s(model, batch: int, context: int, steps: int, clock: Clock, gen,
+                 kv_budget: int | None = None) -> float:
+    """Decode tokens/s of ``HFModelRunner`` at ``batch`` rows of ``context`` random tokens, greedy;
+    its KV buffers bounded by ``kv_budget`` tokens, as the engine bounds them."""
+    prompts = [random_ids(gen, model.config.vocab_size, context) for _ in range(batch)]
+    runner, logits = prefill(model, prompts, kv_budget)
+    state = {"logits": logits}
+
+    def step():
+        state["logits"] = runner.step([[t] for t in state["logits"].argmax(-1).tolist()])
+
+    return batch * 1e3 / clock.median_ms(step, steps)
+
+
+def shapes_main(args) -> int:
+    """``--shapes``: the runner's decode tokens/s on a random-weight model."""
+    model = random_qwen.from_arguments(args)
+    clock, gen = Clock(model.device), torch.Generator().manual_seed(0)
+    rows = [{"batch": b, "context": t, "tok_s": runner_tok_s(model, b, t, args.steps, clock, gen)}
+            for t in (int(x) for x in args.contexts.split(",")) for b in (int(x) for x in args.batches.split(","))]
+    table = Table("batch", "context", ("tokens/s", "{:.1f}"))
+    for r in rows:
+        table.add(r["batch"], r["context"], r["tok_s"])
+    table.print()
+    emit({"bench": "decode_step", "shapes": args.shapes, "device": str(model.device), "rows": rows}, digits=3)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--contexts", default="300,1000")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds over the three set-ups")
+    random_qwen.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.shapes:
+        return shapes_main(args)
     plain, _ = load_model(ModelConfig(device="cpu", cpu_gemm="torch"))
     packed, _ = load_model(ModelConfig(device="cpu", cpu_gemm="packed"))
     models = {"dynamic": (plain, False), "buffered": (plain, True), "packed": (packed, True)}

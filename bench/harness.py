@@ -1,10 +1,12 @@
 """What every benchmark prints: a readable table (or ``key: value`` lines), then its result as ONE
-JSON line last. Standard library only (timing.py holds the torch side): bench/ingest.py's index
-load time includes importing torch."""
+JSON line last, also when ``timeout`` stops it (``stop_on_sigterm``). Standard library only
+(timing.py holds the torch side): bench/ingest.py's index load time includes importing torch."""
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
 
 
 class Table:
@@ -74,3 +76,21 @@ def emit(record: dict, digits: int | None = None, out=None) -> None:
     if digits is not None:
         record = json.loads(json.dumps(record), parse_float=lambda f: round(float(f), digits))
     print(json.dumps(record), file=out, flush=True)
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived: a BaseException, so no error handling of a benchmark takes it for its own failure."""
+
+
+SIGTERM_SEEN = threading.Event()  # also set: an exception raised in a finalizer is printed and dropped
+
+
+def stop_on_sigterm():
+    """Raise ``Stopped`` on SIGTERM from now on; returns the handler it replaced."""
+    SIGTERM_SEEN.clear()  # a run started in the same process after a stopped one is not stopped at once
+
+    def stop(signum, frame):
+        SIGTERM_SEEN.set()
+        raise Stopped()
+
+    return signal.signal(signal.SIGTERM, stop)

@@ -1,4 +1,6 @@
-"""A Qwen2-architecture model from its config alone, random weights, optionally nf4 (bench/gpu.py).
+"""A Qwen2-architecture model from its config alone, random weights, optionally nf4: what the
+benchmarks' ``--shapes`` (``qwen2.5-32b``, or ``small``: three layers that run in seconds on CPU)
+measure on, nothing downloaded.
 
 The architecture is created on the meta device and each decoder layer then gets random weights on
 the target device, quantised to nf4 (bitsandbytes ``Linear4bit``) before the next layer's weights
@@ -13,6 +15,51 @@ import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+from timing import cap_memory, pick_device  # bench/ is on sys.path when run as a script
+
+
+SHAPES = {
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, head_dim=128, vocab_size=152064, max_position_embeddings=32768),
+    # three layers: CacheBlend's probe forward is stopped at layer 2, as on the 64-layer model
+    "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=1000, max_position_embeddings=4096),
+}
+
+
+def add_arguments(ap, device: bool = True) -> None:
+    """``--shapes``, ``--device`` (unless the benchmark has its own), ``--quant`` and ``--cap-gib``, as
+    every benchmark on these shapes takes them."""
+    ap.add_argument("--shapes", choices=tuple(SHAPES), help="random weights of these shapes (nothing downloaded)")
+    if device:
+        ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="with --shapes")
+    ap.add_argument("--quant", choices=("auto", "nf4", "none"), default="auto",
+                    help="with --shapes; auto: nf4 on CUDA, none on CPU")
+    ap.add_argument("--cap-gib", type=float, help="with --shapes: cap the card's memory at this many GiB (CUDA)")
+
+
+def quantisation(choice: str, device: torch.device):
+    """(``BitsAndBytesConfig`` or None, compute dtype) for ``--quant auto|nf4|none`` on ``device``:
+    auto is nf4 on CUDA (``models.loader.nf4_config``, the settings ``load_model`` quantises with)."""
+    from rig_decode.models.loader import ModelLoadError, nf4_config
+
+    quant = None
+    if choice == "nf4" or (choice == "auto" and device.type == "cuda"):
+        try:
+            quant = nf4_config()
+        except ModelLoadError as e:
+            raise SystemExit(str(e)) from None
+    return quant, quant.bnb_4bit_compute_dtype if quant else torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def from_arguments(args) -> Qwen2ForCausalLM:
+    """The model ``--shapes`` names, on ``--device``, quantised as ``--quant`` says, built after
+    capping the card at ``--cap-gib``."""
+    device = pick_device(args.device)
+    quant, dtype = quantisation(args.quant, device)
+    cap_memory(device, int(args.cap_gib * (1 << 30)) if args.cap_gib else None)
+    return build_model(SHAPES[args.shapes], device, dtype, quant)
 
 
 def qwen2_config(shape: dict) -> Qwen2Config:

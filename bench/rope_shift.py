@@ -17,6 +17,12 @@ key read once and written once. The indices are CPU tensors, as the runner passe
     python bench/rope_shift.py                     # the embedded default's KV shapes (fp32 on CPU)
     python bench/rope_shift.py --model qwen2.5-32b # Qwen2.5-32B's (bf16 on CUDA), 8k context
 
+With ``--shapes`` (random weights, ``bench/random_qwen.py``; ``--quant``, ``--cap-gib``), the model's
+KV shapes, and also the whole of ``HFModelRunner.evict`` on it: the span dropped from a row just
+prefilled (a fresh prefill before each call, untimed)::
+
+    python bench/rope_shift.py --shapes qwen2.5-32b --cap-gib 24
+
 Prints a table, then one JSON line.
 """
 
@@ -30,10 +36,11 @@ from contextlib import contextmanager
 import torch
 
 from rig_decode.engine.kv import resolve_architecture
-from rig_decode.kernels import has_triton, native, rope_shift_layers_
+from rig_decode.kernels import backend_for, has_triton, native, rope_shift_layers_
 
-from harness import Table, emit  # bench/ is on sys.path when run as a script
-from timing import Clock, device_syncs, pick_device
+import random_qwen  # bench/ is on sys.path when run as a script
+from harness import Table, emit
+from timing import Clock, pick_device, prefill, random_ids, syncs_if_cuda
 
 ROPE_THETA = 10_000.0
 
@@ -73,6 +80,22 @@ def cases(context: int, span: int) -> dict[str, tuple[torch.Tensor, torch.Tensor
     }
 
 
+@torch.no_grad()
+def runner_evict_ms(model, context: int, span: int, repeats: int, clock: Clock, gen,
+                    kv_budget: int | None = None) -> float:
+    """``HFModelRunner.evict`` of ``span`` tokens from the middle of a ``context``-token row: every
+    key after the span is re-rotated (with the kernel ``kernels.backend_for`` picks)."""
+    start = (context - span) // 2
+    ids = random_ids(gen, model.config.vocab_size, context)
+    state = {"runner": prefill(model, [ids], kv_budget)[0]}
+
+    def refill():  # each eviction starts from a fresh prefill of the same row
+        state["runner"] = None  # free the old cache before the new one is built
+        state["runner"] = prefill(model, [ids], kv_budget)[0]
+
+    return clock.median_ms(lambda: state["runner"].evict(0, start, start + span), repeats, reset=refill)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="an architecture `rig plan` knows")
@@ -80,13 +103,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=None, help="tokens in the row (default 8192 on CUDA, 2048 on CPU)")
     ap.add_argument("--span", type=int, default=256, help="tokens evicted / staged")
     ap.add_argument("--repeats", type=int, default=20)
+    random_qwen.add_arguments(ap, device=False)
     args = ap.parse_args(argv)
     device = pick_device(args.device)
     cuda, clock = device.type == "cuda", Clock(device)
     context = args.context or (8192 if cuda else 2048)
     if not 0 < args.span < context:
         raise SystemExit(f"--span must be between 1 and the context ({context}), got {args.span}")
-    name, arch = resolve_architecture(args.model)
+    model = random_qwen.from_arguments(args) if args.shapes else None
+    name, arch = (args.shapes, model.config) if model is not None else resolve_architecture(args.model)
     dtype = torch.bfloat16 if cuda else torch.float32
     heads, dim = arch.num_key_value_heads, arch.head_dim
     inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
@@ -113,12 +138,18 @@ def main(argv=None) -> int:
                 work = [k.clone() for k in base]  # rotated again at every call: rotations compose
                 call = lambda: rope_shift_layers_(work, rows, cols, shift, inv_freq)  # noqa: E731
                 ms = clock.median_ms(call, args.repeats)
-                syncs = device_syncs(call) if cuda else None
-                del work
+                syncs = syncs_if_cuda(clock, call)
+                work = None  # free the copy before the next backend makes its own
             table.add(op, backend, rows.numel(), ms, moved / ms / 1e6, diff, syncs)
             result["ops"].setdefault(op, {"positions": rows.numel()})[backend] = {
                 "ms": round(ms, 4), "gb_s": round(moved / ms / 1e6, 2), "max_abs_diff": diff, "syncs": syncs}
         del want
+    if model is not None:
+        backend = f"runner ({backend_for(device)})"
+        ms = runner_evict_ms(model, context, args.span, args.repeats, clock, torch.Generator().manual_seed(0))
+        positions = result["ops"]["evict"]["positions"]
+        table.add("evict", backend, positions, ms, None, None, None)
+        result["runner_evict_ms"] = round(ms, 4)
 
     table.print()
     for op, per in result["ops"].items():

@@ -1,8 +1,5 @@
-"""The ``rig`` command. ``rig ask`` answers one question and ``rig demo`` the bundled multi-hop
-ones; ``rig serve`` runs the OpenAI-compatible server; ``rig index build|delete|stats`` manages
-retrieval indexes; ``rig eval`` compares methods on a dataset and ``rig synth`` writes the
-synthetic benchmark; ``rig plan`` says what fits in GPU memory; ``rig models pull`` fetches and
-converts an embedded model. ``rig COMMAND --help`` lists each one's options."""
+"""The ``rig`` command: ask, demo, serve, index (build | delete | stats), eval, synth, plan and
+models pull; ``rig COMMAND --help`` gives each one's options."""
 
 from __future__ import annotations
 

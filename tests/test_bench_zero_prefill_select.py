@@ -10,6 +10,7 @@ import torch
 from .helpers import load_script, one_layer_model, tiny_model
 
 bench = load_script("bench/zero_prefill_select.py")
+cases = load_script("bench/zero_prefill_cases.py")
 
 
 def _report(model, tok, capsys, plot_path=None, probe_layers=(1,), keep_probe_kv=False, piece_prefix="none"
@@ -67,9 +68,9 @@ def test_pieces_after_the_system_turn(tok_special, capsys):
     after = _report(model, tok_special, capsys, piece_prefix="system")
     assert after["all@1"]["identical_pct"] == 100.0 and abs(after["all@1"]["extra_nll_per_token"]) < 1e-3
     assert after["tail@0.25"]["extra_nll_per_token"] != alone["tail@0.25"]["extra_nll_per_token"]
-    spec = bench.MarkerSpec.special_token()
-    turn, prompt = bench.system_turn(tok_special, spec), bench.build_prompt(tok_special, "Who?", spec,
-                                                                             system=bench.MARKER_ADAPTER_PROMPT)
+    spec = cases.MarkerSpec.special_token()
+    turn, prompt = cases.system_turn(tok_special, spec), cases.build_prompt(tok_special, "Who?", spec,
+                                                                             system=cases.MARKER_ADAPTER_PROMPT)
     assert 0 < len(turn) < len(prompt) and prompt[: len(turn)] == turn  # what every prompt starts with
 
 
@@ -114,7 +115,7 @@ def test_document_piece_layouts():
     """``--doc-pieces``: the engine's pieces with their leads, the same without, or each document's
     number and text as one piece."""
     one = [7, 8, 9]
-    case = bench.Case([1], list(range(20)), [4, 3, 5, 3, 2, 3], ["x"], 2, [[], [], one, [], one, []])
-    assert bench.doc_pieces(case, "lead") == ([4, 3, 5, 3, 2, 3], [[], [], one, [], one, []])
-    assert bench.doc_pieces(case, "alone") == ([4, 3, 5, 3, 2, 3], None)
-    assert bench.doc_pieces(case, "line") == ([4, 8, 5, 3], None)
+    case = cases.Case([1], list(range(20)), [4, 3, 5, 3, 2, 3], ["x"], 2, [[], [], one, [], one, []])
+    assert cases.doc_pieces(case, "lead") == ([4, 3, 5, 3, 2, 3], [[], [], one, [], one, []])
+    assert cases.doc_pieces(case, "alone") == ([4, 3, 5, 3, 2, 3], None)
+    assert cases.doc_pieces(case, "line") == ([4, 8, 5, 3], None)

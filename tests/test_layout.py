@@ -1,13 +1,15 @@
-"""The package's layout: one concept per file (none over 400 lines), no import cycle between its
-modules, and no module importing another's private names. Imports inside functions count: a lazy
-import still ties two modules together."""
+"""The package's layout: one concept per file (none over 400 lines, and none of bench/ and scripts/
+either), no import cycle between its modules, and no module importing another's private names.
+Imports inside functions count: a lazy import still ties two modules together."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "rig_decode"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "rig_decode"
+PROGRAMS = (ROOT / "bench", ROOT / "scripts")
 MAX_LINES = 400
 
 
@@ -78,10 +80,30 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_file_of_the_package_is_over_400_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+def long_files(folders, root: Path = ROOT) -> dict[str, int]:
+    """The Python files under ``folders`` over ``MAX_LINES`` lines: path (from ``root``) -> lines."""
+    return {str(p.relative_to(root)): n for folder in folders for p in sorted(folder.rglob("*.py"))
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+
+
+def test_no_file_of_the_package_is_over_400_lines():
+    long = long_files([PACKAGE])
     assert not long, f"split these by concept: {long}"
+
+
+def test_no_benchmark_or_script_is_over_400_lines():
+    assert all(folder.is_dir() for folder in PROGRAMS)
+    long = long_files(PROGRAMS)
+    assert not long, f"split these by concept: {long}"
+
+
+def test_the_line_check_finds_a_long_file(tmp_path):
+    folder = tmp_path / "bench"
+    (folder / "deep").mkdir(parents=True)
+    (folder / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (folder / "deep" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (folder / "notes.txt").write_text("x\n" * (MAX_LINES + 1))
+    assert long_files([folder], tmp_path) == {"bench/deep/long.py": MAX_LINES + 1}
 
 
 def test_the_package_has_no_import_cycle():

@@ -7,9 +7,7 @@ scripted hops, that rig never re-tokenises and that the resubmit loop's re-token
 
 import io
 import json
-import re
 
-import httpx
 import pytest
 import torch
 
@@ -20,52 +18,19 @@ from rig_decode.markers import MarkerSpec
 from rig_decode.prompt import build_prompt
 
 from .helpers import ScriptedRetriever, load_script, tiny_model, tiny_tokenizer
+from .peers_helpers import ANSWERS, END, QUESTIONS, Policy, PolicyModel
 from .remote_helpers import FakeLlamaServer
 from .vllm_helpers import FakeAsyncLLM, fake_api
 
 bench = load_script("bench/peers.py")
+systems = load_script("bench/peers_systems.py")
+report = load_script("bench/peers_report.py")
+resubmit = load_script("bench/resubmit.py")
 
-START, END = "<|retrieve|>", "<|endofretrieve|>"
-QUESTIONS = ["Which release fixed error E1234?", "What priority does data loss get?"]
-SCRIPTS = {  # what the "model" writes, piece by piece; True: letter by letter (one token per letter)
-    QUESTIONS[0]: [("Release", True), (f"{START}error E1234 fixed{END}", False), (" 4.2.1, approved by", False),
-                   (f"{START}release 4.2.1 approved by{END}", False), (" Priya Raman.", False)],
-    QUESTIONS[1]: [(f"{START}data loss priority{END}", False), (" P1.", False)],
-}
-ANSWERS = ["Release 4.2.1, approved by Priya Raman.", "P1."]
 MAX_NEW = 64
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class Policy:
-    """The next token as a function of the text so far: the question's script continued from what
-    was written (evidence blocks left out); EOS at its end, and after an end marker no evidence
-    followed (an engine that ignores the stop string stops there)."""
-
-    def __init__(self, tok):
-        self.tok, self.eos = tok, tok.eos_token_id
-
-    def next_token(self, ids) -> int:
-        text = self.tok.decode(list(ids), skip_special_tokens=False)
-        question = next(q for q in SCRIPTS if q in text)
-        written = text[text.rfind("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):]
-        if END in written and written.rfind("</evidence>") < written.rfind(END):
-            return self.eos
-        written = re.sub(r"\n<evidence>\n.*?</evidence>\n", "", written, flags=re.S)
-        pos = 0
-        for piece, spelled in SCRIPTS[question]:
-            if len(written) < pos + len(piece):
-                off = len(written) - pos
-                if written[pos:] != piece[:off]:
-                    return self.eos
-                rest = piece[off:]
-                return self.tok.encode(rest[0] if spelled else rest, add_special_tokens=False)[0]
-            if written[pos : pos + len(piece)] != piece:
-                return self.eos
-            pos += len(piece)
-        return self.eos
 
 
 class RigPolicy:
@@ -108,18 +73,6 @@ def vllm_policy_processor(policy):
     return PolicyProcessor
 
 
-class PolicyModel:
-    """The policy as a cache-free model for the llama-server stand-in."""
-
-    def __init__(self, policy, vocab_size):
-        self.policy, self.vocab_size = policy, vocab_size
-
-    def __call__(self, input_ids):
-        logits = torch.full((1, input_ids.shape[1], self.vocab_size), -30.0)
-        logits[0, -1, self.policy.next_token(input_ids[0].tolist())] = 0.0
-        return type("Out", (), {"logits": logits})()
-
-
 @pytest.fixture(scope="module")
 def setup():
     tok = tiny_tokenizer(special_markers=True)
@@ -139,34 +92,34 @@ def test_peers_on_stand_ins(setup):
     loop = EventLoopThread("test-peers")
     api = fake_api(model, tok.eos_token_id)
     fake_vllm = FakeAsyncLLM(model, tok.eos_token_id, logits_processors=[vllm_policy_processor(policy)])
-    complete_vllm = bench.VllmCompleter(fake_vllm, api, loop)
+    complete_vllm = resubmit.VllmCompleter(fake_vllm, api, loop)
     with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, slots=4) as server:
-        complete_llama = bench.LlamaCompleter(server.url, parallel=2)
-        systems = [
-            bench.System("rig-hf", lambda p, c, n: bench.run_rig(
+        complete_llama = resubmit.LlamaCompleter(server.url, parallel=2)
+        peers = [
+            systems.System("rig-hf", lambda p, c, n: systems.run_rig(
                 "rig-hf", lambda c: _rig_engine(tok, retriever, policy, c, model=model), p, c, n)),
-            bench.System("rig-vllm-stream", lambda p, c, n: bench.run_rig(
+            systems.System("rig-vllm-stream", lambda p, c, n: systems.run_rig(
                 "rig-vllm-stream", lambda c: _rig_engine(tok, retriever, policy, c, runner=VllmRunner(
                     FakeAsyncLLM(model, tok.eos_token_id), api, len(tok), mode="stream", context_limit=2048,
                     timeout_s=120)), p, c, n)),
-            bench.System("rig-llama", lambda p, c, n: bench.run_rig(
+            systems.System("rig-llama", lambda p, c, n: systems.run_rig(
                 "rig-llama", lambda c: _rig_engine(tok, retriever, policy, c, runner=RemoteRunner(
                     LlamaCppServer(server.url), len(tok), lookahead=4, top_logprobs=5, parallel=c)), p, c, n)),
-            bench.System("resubmit-vllm", lambda p, c, n: bench.run_resubmit(
+            systems.System("resubmit-vllm", lambda p, c, n: resubmit.run_resubmit(
                 "resubmit-vllm", complete_vllm, tok, retriever, p, c, n, **loop_kw)),
-            bench.System("resubmit-llama", lambda p, c, n: bench.run_resubmit(
+            systems.System("resubmit-llama", lambda p, c, n: resubmit.run_resubmit(
                 "resubmit-llama", complete_llama, tok, retriever, p, c, n, **loop_kw)),
         ]
-        runs, errors = bench.measure(systems, prompts, [1, 2], MAX_NEW, warmup=0)
+        runs, errors = bench.measure(peers, prompts, [1, 2], MAX_NEW, warmup=0)
         complete_llama.close()
     loop.close()
     assert not errors, errors
-    summary = bench.summarize(runs, [[a] for a in ANSWERS])
-    result = bench.result_json(summary, {"rig-vllm-prefix": "vLLM missing: stand-in test"}, {}, [1, 2],
+    summary = report.summarize(runs, [[a] for a in ANSWERS])
+    result = report.result_json(summary, {"rig-vllm-prefix": "vLLM missing: stand-in test"}, {}, [1, 2],
                                questions=2, search_ms=1.0, model="tiny", dataset="stand-in", min_hops=0,
                                max_iterations=3, max_tokens=MAX_NEW)
     out = io.StringIO()
-    bench.print_report(result, out)
+    report.print_report(result, out)
     print(json.dumps(result), file=out)
     lines = out.getvalue().strip().splitlines()
     data = json.loads(lines[-1])
@@ -196,35 +149,19 @@ def test_peers_on_stand_ins(setup):
         assert h.evaluated >= rig_n
 
 
-def test_llama_completer_reopens_a_connection_the_server_dropped(setup):
-    tok, model, policy, _ = setup
-    prompt = build_prompt(tok, QUESTIONS[1], MarkerSpec.special_token(), "Answer.")
-    with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, drop_connections=2) as server:
-        complete = bench.LlamaCompleter(server.url, parallel=1)
-        try:
-            (seg,) = complete([prompt], [8], [END])
-            assert seg.ids and len(server.requests) == 1  # two dropped, the third answered
-            server.drop_connections = 3  # more than it retries: the error reaches the caller
-            with pytest.raises(httpx.RemoteProtocolError):
-                complete([prompt], [8], [END])
-            assert len(server.requests) == 1
-        finally:
-            complete.close()
-
-
 def test_llama_slots_are_erased_before_a_run_or_the_log_says_why_not(setup, capsys):
     tok, model, policy, _ = setup
     prompt = build_prompt(tok, QUESTIONS[1], MarkerSpec.special_token(), "Answer.")
     for slot_actions in (True, False):
         with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, slots=2,
                              slot_actions=slot_actions) as server:
-            complete = bench.LlamaCompleter(server.url, parallel=1)
+            complete = resubmit.LlamaCompleter(server.url, parallel=1)
             try:
                 complete([prompt], [4], [END])
             finally:
                 complete.close()
             assert sum(map(len, server.slots)) > 0
-            bench._erase_llama_slots(server.url)()
+            systems.erase_llama_slots(server.url)()
             err = capsys.readouterr().err
             if slot_actions:
                 assert server.slots == [[], []] and err == ""
@@ -233,15 +170,32 @@ def test_llama_slots_are_erased_before_a_run_or_the_log_says_why_not(setup, caps
                 assert "slots were not erased" in err and "501" in err and "--slot-save-path" in err
 
 
-def test_retokenization_mismatches_are_counted():
-    tok = tiny_tokenizer(special_markers=True)
-    letters = [tok.encode(ch, add_special_tokens=False)[0] for ch in "Release"]
-    merged = tok.encode("Release" + END + " more", add_special_tokens=False)
-    assert merged[0] != letters[0] and len(merged) < len(letters) + 3
-    assert bench.retokenization_mismatches(letters, merged) == len(letters)  # one merge shifts every later id
-    same = tok.encode("Release", add_special_tokens=False)
-    assert bench.retokenization_mismatches(same, tok.encode("Release" + END, add_special_tokens=False)) == 0
-    ids = tok.encode(f"a b{START}q{END} tail", add_special_tokens=False)
-    cut, found = bench.cut_at(tok, ids, END)
-    assert found and tok.decode(cut, skip_special_tokens=False).endswith(END)
-    assert bench.cut_at(tok, ids[:3], END) == (ids[:3], False)
+def test_rig_hops_are_the_traces_first_token_times():
+    """``run_rig`` reads each hop's latency from the trace (``first_token_ms``) and leaves out a hop
+    whose row finished at its marker; evaluated tokens are what llama-server reported, else the
+    evidence plus the end-marker token."""
+    from types import SimpleNamespace
+
+    from rig_decode.trace import RetrievalStep, Trace
+
+    steps = [[RetrievalStep(1, "a", evidence_tokens=40, first_token_ms=12.5),
+              RetrievalStep(2, "b", evidence_tokens=30, first_token_ms=None)],
+             [RetrievalStep(1, "c", evidence_tokens=50, first_token_ms=7.0, info={"server": {"prompt_n": 9}})]]
+
+    class Engine:
+        closed = False
+
+        def new_sequence(self, prompt, seq_id, max_new_tokens):
+            trace = Trace(retrieval_steps=steps[seq_id], generated_tokens=3, total_ms=20.0, queue_ms=5.0)
+            return SimpleNamespace(seq_id=seq_id, trace=trace, finish_reason="stop",
+                                   matcher=SimpleNamespace(visible_text=lambda: f" answer {seq_id} "))
+
+        def generate(self, seqs):
+            pass
+
+        def close(self):
+            Engine.closed = True
+
+    r = systems.run_rig("rig-hf", lambda c: Engine(), [[1], [2]], 2, 8)
+    assert [(h.question, h.ms, h.evaluated) for h in r.hops] == [(0, 12.5, 41), (1, 7.0, 9)]
+    assert r.answers == ["answer 0", "answer 1"] and r.latency_ms == [15.0, 15.0] and Engine.closed
