@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from ..trace import RetrievalStep, Trace
@@ -103,10 +104,9 @@ class RequestHandle:
 
 
 class AsyncRigEngine:
-    def __init__(self, engine: RigEngine, on_finish=None):
-        """``on_finish(seq)``: called once per finished request, on the engine thread (whether or
-        not anyone still listens: a cancelled request's client is gone)."""
-        self.engine, self.on_finish = engine, on_finish
+    def __init__(self, engine: RigEngine):
+        self.engine = engine
+        self._finished: deque[Sequence] = deque()  # finished requests not taken yet (``take_finished``)
         self._handles: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
         self._wake = threading.Event()
@@ -126,6 +126,14 @@ class AsyncRigEngine:
             self.engine.add(seq)
         self.wake()
         return handle
+
+    def take_finished(self) -> list[Sequence]:
+        """The requests that finished since the last call, each once, whether or not anyone still
+        listened to them (a cancelled request's client is gone): what metrics count."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
 
     @property
     def num_active(self) -> int:
@@ -157,8 +165,7 @@ class AsyncRigEngine:
             if h.seq.is_finished:
                 with self._lock:
                     self._handles.pop(h.seq_id, None)
-                if self.on_finish is not None:
-                    self.on_finish(h.seq)
+                self._finished.append(h.seq)
 
     def _fail_all(self, error: Exception) -> None:
         """A step failed for the whole batch: every request in it ends with reason ``error``, and
@@ -169,8 +176,7 @@ class AsyncRigEngine:
         for h in handles:
             for ev in h._events():
                 h._loop.call_soon_threadsafe(h.queue.put_nowait, ev)
-            if self.on_finish is not None:
-                self.on_finish(h.seq)
+            self._finished.append(h.seq)
 
     def close(self) -> None:
         self._stop = True

@@ -91,7 +91,7 @@ class Server:
     def __init__(self, config: RigConfig, engine: RigEngine):
         self.config, self.engine = config, engine
         self.metrics = Metrics(engine)
-        self.front = AsyncRigEngine(engine, on_finish=lambda seq: self.metrics.observe(seq.trace))
+        self.front = AsyncRigEngine(engine)
         self.model_id = config.server.model_name or Path(config.model.name).name
         self.spec = MarkerSpec.from_style(config.rig.marker_style)
         self.system = config.system_prompt()
@@ -135,7 +135,14 @@ class Server:
                                 "for the conversation's evidence)", param="rig.conversation_id")
         return tok.encode(req.prompt, add_special_tokens=False)
 
+    def count_finished(self) -> None:
+        """Metrics for the requests the engine finished since the last call (done at every submit
+        and scrape, so the engine's list of them stays short)."""
+        for seq in self.front.take_finished():
+            self.metrics.observe(seq.trace)
+
     def submit(self, req: GenerationRequest) -> RequestHandle:
+        self.count_finished()
         if req.model != self.model_id:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
                            code="model_not_found", param="model")
@@ -253,6 +260,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
 
     @app.get("/metrics")
     async def metrics():
+        server.count_finished()
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/", response_class=HTMLResponse)
