@@ -419,3 +419,28 @@ def test_a_logits_processor_failing_on_one_row_ends_that_row_alone(model, tok):
     assert "applying logits processors: IndexError" in b.trace.engine_errors[-1]
     assert not b.trace.marker_errors  # the engine failed, not the model's marker
     assert a.token_ids == expected.token_ids and a.finish_reason == expected.finish_reason
+
+
+def test_a_row_by_row_retry_starts_from_the_raw_logits(model, tok):
+    """When a processor fails on the batch, each row runs the processors again from the step's raw
+    logits: one that is not idempotent (negating the scores) is applied once, not twice, to the
+    rows that go on."""
+    class Negate:
+        def apply(self, rows, scores):
+            return scores.neg_()
+
+    class FailsOnRowOne:
+        def apply(self, rows, scores):
+            if any(r.seq_id == 1 and r.num_generated == 0 for r in rows):  # row 0 samples freely then
+                raise IndexError("citation number out of range")
+            return scores
+
+    prompts = [tok.encode("first"), tok.encode("second")]
+    alone = two_row_engine(model, tok)
+    alone.processors.insert(0, Negate())
+    [expected] = alone.generate([alone.new_sequence(prompts[0], 0)])
+    e = two_row_engine(model, tok)
+    e.processors[:0] = [Negate(), FailsOnRowOne()]
+    a, b = e.generate([e.new_sequence(p, i) for i, p in enumerate(prompts)])
+    assert b.finish_reason == "error" and b.num_generated == 0
+    assert a.token_ids == expected.token_ids

@@ -82,7 +82,7 @@ class RequestHandle:
             end = step.position  # tokens up to the evidence go out before the hop event
             if end > self._sent_tokens:
                 out.append(TokenEvent(s.token_ids[self._sent_tokens : end], s.mask[self._sent_tokens : end],
-                                      self._new_text(s)))
+                                      self._new_text(s, end)))
                 self._sent_tokens = end
             out.append(HopEvent(step))
             self._sent_hops += 1
@@ -94,10 +94,11 @@ class RequestHandle:
             self._done = True
         return out
 
-    def _new_text(self, s: Sequence) -> str:
-        """The answer text not sent yet (``finish`` made all of it final already)."""
+    def _new_text(self, s: Sequence, upto: int | None = None) -> str:
+        """The answer text not sent yet, from the tokens up to ``upto`` (``finish`` made all of it
+        final already)."""
         if not s.is_finished:
-            s.advance_answer()
+            s.advance_answer(upto=upto)
         text = s.answer_text
         new, self._sent_text = text[self._sent_text :], len(text)
         return new

@@ -37,6 +37,7 @@ finishes with a reason. Errors are data: a marker the model wrote wrong goes to
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -113,7 +114,8 @@ class RigEngine:
         return self.scheduler.running
 
     @property
-    def waiting(self):
+    def waiting(self) -> deque[Sequence]:
+        """Sequences queued for a place in the batch."""
         return self.scheduler.waiting
 
     @property
@@ -191,8 +193,12 @@ class RigEngine:
         trace) and empty the batch: what a caller does when a step failed for the whole batch."""
         now = time.perf_counter()
         seqs = self.scheduler.take_all()
-        for s in seqs:
-            s.fail("the step failed for the whole batch", error, now)
+        try:
+            for s in seqs:
+                if not s.is_finished:
+                    s.fail("the step failed for the whole batch", error, now)
+        finally:
+            self.runner.reset(0)
         return seqs
 
     def retrieval_health(self) -> dict:
@@ -214,13 +220,12 @@ class RigEngine:
         t0 = time.perf_counter()
         spliced = [s.has_evidence_pending for s in rows]
         logits = self._run(ready, staged)
-        sampled = self.sampler.sample(rows, logits[ready], time.perf_counter())
-        row_info = getattr(self.runner, "row_info", None)  # a remote runner: what the server did
+        sampled = self.sampler.sample(rows, logits, ready, time.perf_counter())
         parked = postprocess(rows, sampled, spliced, t0, self.stop_ids, self.runner.context_limit,
-                             [row_info(i) for i in ready] if row_info is not None else None)
+                             getattr(self.runner, "row_info", None), ready)
         now = time.perf_counter()
         self.hops.park(batch, parked, now)
-        if parked and self.opts.waits_for_retrieval:  # the decode path waits for this step's searches
+        if self.opts.waits_for_retrieval:  # the decode path waits for this step's searches
             self.hops.wait_for(batch, parked, now)
             self._expire(time.perf_counter())
         self.runner.compact()

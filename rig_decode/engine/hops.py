@@ -84,7 +84,6 @@ class HopHandler:
     def park(self, batch: list[Sequence], parked: list[Sequence], now: float) -> None:
         """Hand the parked rows' queries to the worker (an empty query gets no search)."""
         for s in parked:
-            s.parked_at = now
             try:
                 reuse = self._find_reuse(s)
                 if reuse is not None:  # answered from documents already in context: no search
@@ -100,6 +99,8 @@ class HopHandler:
     def wait_for(self, batch: list[Sequence], parked: list[Sequence], now: float) -> None:
         """Serve these rows' searches as they finish, up to the retrieval timeout from ``now``."""
         waiting = [s for s in parked if s.status is RETRIEVING]
+        if not waiting:
+            return
         limit = now + self.opts.retrieval_timeout_s
         while any(s.status is RETRIEVING for s in waiting) and time.perf_counter() < limit:
             self.worker.wait(max(0.0, limit - time.perf_counter()))

@@ -141,22 +141,22 @@ class KVSurgery:
         """Copy staged KV into each staged row's next columns, keys rotated from piece-local
         positions to the row's next positions; or, with ``at`` (row -> first column and position),
         over columns the row already holds."""
-        kv = self.kv
+        cache = self.kv
         widths = {i: widths[i] for i in staged}
         rows_idx, cols_idx, shift = [], [], []
         for i, (_, local) in staged.items():
             n = widths[i]
-            end, length = at[i] if at else (kv.ends[i], kv.lengths[i])
+            end, length = at[i] if at else (cache.ends[i], cache.lengths[i])
             rows_idx.append(torch.full((n,), i, dtype=torch.long))
             cols_idx.append(torch.arange(end, end + n))
             shift.append(local.float().cpu() + length)  # ChunkKVStore's shifts are on the host already
         # rope_shift_layers_ bounds-checks host indices without a device sync; layer.write needs them on the device.
         rows_idx, cols_idx, shift = torch.cat(rows_idx), torch.cat(cols_idx), torch.cat(shift)
-        rows_dev, cols_dev = kv.upload(rows_idx), kv.upload(cols_idx)
-        width = kv.num_columns if at else max(kv.num_columns, *(kv.ends[i] + n for i, n in widths.items()))
-        for li, layer in enumerate(kv.cache.layers):
-            keys, values = ([kv[li][part][0].transpose(0, 1) for kv, _ in staged.values()] for part in (0, 1))
-            layer.write(rows_dev, cols_dev, torch.cat(keys).to(kv.device), torch.cat(values).to(kv.device), width)
+        rows_dev, cols_dev = cache.upload(rows_idx), cache.upload(cols_idx)
+        width = cache.num_columns if at else max(cache.num_columns, *(cache.ends[i] + n for i, n in widths.items()))
+        for li, layer in enumerate(cache.cache.layers):
+            keys, values = ([row_kv[li][part][0].transpose(0, 1) for row_kv, _ in staged.values()] for part in (0, 1))
+            layer.write(rows_dev, cols_dev, torch.cat(keys).to(cache.device), torch.cat(values).to(cache.device), width)
         if not at:
-            kv.mark_written(widths, width)
+            cache.mark_written(widths, width)
         self._shift_keys(rows_idx, cols_idx, shift)

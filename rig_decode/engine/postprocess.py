@@ -1,8 +1,7 @@
 """The step's postprocess: each row's sampled token is appended, timed, fed to the row's marker
 matcher (a completed marker parks the row with its query) and checked against the stop tokens,
 the request's stop strings (in its answer text), the row's token limit, the context and its
-deadline. It returns the rows that parked; the hop
-handler takes them from there.
+deadline. It returns the rows that parked; the hop handler takes them from there.
 """
 
 from __future__ import annotations
@@ -16,9 +15,10 @@ RUNNING, RETRIEVING = SequenceStatus.RUNNING, SequenceStatus.RETRIEVING
 
 
 def postprocess(rows: list[Sequence], sampled: Sampled, spliced: list[bool], t0: float, stop_ids: list[int],
-                context_limit: int, server_info: list[dict | None] | None = None) -> list[Sequence]:
-    """Each row's token (``server_info[j]``: what a remote server did for row ``j``'s step, where
-    it says). A failure in one row's bookkeeping fails that row alone. Returns the rows that parked."""
+                context_limit: int, row_info=None, runner_rows: list[int] = ()) -> list[Sequence]:
+    """Each row's token. ``row_info(runner_rows[j])``: what a remote server did for ``rows[j]``'s
+    step, where the runner says. A failure in one row's bookkeeping fails that row alone. Returns
+    the rows that parked (``parked_at``: when their marker completed)."""
     done = time.perf_counter()
     dt_ms = (done - t0) * 1e3
     parked = []
@@ -26,7 +26,7 @@ def postprocess(rows: list[Sequence], sampled: Sampled, spliced: list[bool], t0:
         if s.is_finished:  # its processors failed
             continue
         try:
-            _account_time(s, was_spliced, dt_ms, done, server_info[j] if server_info is not None else None)
+            _account_time(s, was_spliced, dt_ms, done, row_info(runner_rows[j]) if row_info is not None else None)
             _take_token(s, tok, forced, stop_ids, context_limit)
         except Exception as e:  # noqa: BLE001
             s.fail("postprocessing its token", e, done)
@@ -61,7 +61,7 @@ def _take_token(s: Sequence, tok: int, forced: bool, stop_ids: list[int], contex
         if ev.kind == "error":
             s.trace.marker_errors.append(ev.error)
         elif s.status is RUNNING:
-            s.status, s.query = RETRIEVING, ev.query
+            s.status, s.query, s.parked_at = RETRIEVING, ev.query, now
         else:
             s.trace.marker_errors.append("a second marker in the same token was ignored")
     if s.answer is not None and s.answer.stop:

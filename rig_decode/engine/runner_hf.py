@@ -61,8 +61,6 @@ from .kv_surgery import KVSurgery, ProbeDone, stop_after
 from .row_cache import RowCache
 
 
-
-
 class HFModelRunner:
     MIN_SHARED_PREFIX = 16
 
@@ -77,7 +75,8 @@ class HFModelRunner:
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._capture: dict[int, list[int]] = {}  # row -> its prompt, whose KV becomes the cached prefix once fed
 
-    # the row cache's state, read through the runner
+    # The row cache's state, read through the runner: read-only names for the RowCache's own (live)
+    # objects; only the runner and its KV surgery change them.
     cache = property(lambda self: self.kv.cache)
     attn = property(lambda self: self.kv.attn)
     lengths = property(lambda self: self.kv.lengths)

@@ -29,13 +29,14 @@ class Sampler:
         """``processors``: the list the engine exposes; callers may insert into it later."""
         self.processors, self.opts = processors, options
 
-    def sample(self, rows: list[Sequence], logits: torch.Tensor, now: float) -> Sampled:
-        """A token per row from its logits ``[len(rows), vocab]`` (the raw ones stay untouched)."""
+    def sample(self, rows: list[Sequence], logits: torch.Tensor, at: list[int], now: float) -> Sampled:
+        """A token per row, ``rows[j]`` from the step's logits row ``at[j]`` (the step's logits stay
+        untouched: a row-by-row retry starts from them)."""
         try:
-            processed = self._process(rows, logits)
+            processed = self._process(rows, logits[at])  # indexing by a list copies
         except Exception:  # noqa: BLE001 - find the row(s) it fails on
             parts = []
-            for i, s in enumerate(rows):
+            for i, s in zip(at, rows):
                 try:
                     parts.append(self._process([s], logits[i : i + 1].clone()))
                 except Exception as e:  # noqa: BLE001

@@ -2,7 +2,7 @@
 
 ``running[i]`` is row ``i`` of the runner's batch, always: the scheduler is the only one that adds
 rows to the runner (``admit``, ``move_spliced_rows``) or removes them (``drop_finished``), and it
-changes ``running`` in the same call. Everything else finds a sequence's row here.
+changes ``running`` in the same call. Everything else reads the batch from ``running``.
 
 Per step, in this order (``RigEngine.step``):
 
@@ -69,15 +69,12 @@ class Scheduler:
         return False
 
     def take_all(self) -> list[Sequence]:
-        """Empty the queue and the batch (the runner's cache too); the sequences they held."""
+        """Empty the queue and the batch; the sequences they held (the caller resets the runner
+        once it has finished them)."""
         with self.lock:
             seqs, self.waiting = [*self.waiting, *self.running], deque()
         self.running = []
-        self.runner.reset(0)
         return seqs
-
-    def row_of(self, s: Sequence) -> int:
-        return self.running.index(s)
 
     # -- the step's schedule, in order ---------------------------------------------------------------
 

@@ -151,12 +151,14 @@ class Sequence:
         """The answer handed out so far (all of it once finished)."""
         return self.answer.text if self.answer is not None else self.matcher.visible_text().lstrip()
 
-    def advance_answer(self, final: bool = False) -> str:
-        """The answer's text that became final since the last call (all the rest when ``final``);
-        after a stop string, nothing more."""
+    def advance_answer(self, final: bool = False, upto: int | None = None) -> str:
+        """The answer's text that became final since the last call (all the rest when ``final``),
+        from the tokens up to ``upto`` (default: all; the raw answer shows them); after a stop
+        string, nothing more."""
         if self.answer is None:
             return ""
-        new, self.answer_at = self.token_ids[self.answer_at :], len(self.token_ids)
+        upto = len(self.token_ids) if upto is None or final else max(self.answer_at, upto)
+        new, self.answer_at = self.token_ids[self.answer_at : upto], upto
         return self.answer.feed(new, self.matcher.visible_bytes(final=final), final=final)
 
     @property
@@ -184,7 +186,7 @@ class Sequence:
         self.trace.marker_tokens = self.matcher.num_marker_tokens()
         self.advance_answer(final=True)
         self.trace.citations = [c.to_json() for c in check_citations(self.answer_text, trace_docs(self.trace))]
-        if self.memory is not None and reason != "error":
+        if self.memory is not None and reason not in ("error", "cancelled"):  # a turn the client saw
             self.memory.remember(self.trace)
 
     def fail(self, what: str, error: BaseException | str, now: float, step: RetrievalStep | None = None) -> None:

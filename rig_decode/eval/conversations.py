@@ -82,7 +82,8 @@ def run_conversations(config, model, tokenizer, retriever, conversations: list[d
             engine.generate(seqs)
             for i, seq in zip(live, seqs):
                 turn, answer = conversations[i]["turns"][k], seq.answer_text.strip()
-                chats[i].append({"role": "assistant", "content": answer})  # the engine told memory this turn's documents
+                # the engine told the memory this turn's documents when the turn finished
+                chats[i].append({"role": "assistant", "content": answer})
                 records.append(_record(conversations[i]["id"], k, turn, answer, seq.trace))
             bar.update(len(live))
         bar.close()

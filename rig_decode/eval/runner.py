@@ -121,6 +121,9 @@ class EvalRunner:
                 rag_steps[start : start + len(chunk)], blocks[start : start + len(chunk)] = self._rag_retrieve(chunk)
         seqs = [engine.new_sequence(self._prompt(key, ex, blk), seq_id=i, question=ex.question)
                 for i, (ex, blk) in enumerate(zip(examples, blocks))]
+        for seq, rag_step in zip(seqs, rag_steps):
+            if rag_step is not None:  # in the trace before the answer ends: its citations are checked against it
+                seq.trace.retrieval_steps.append(rag_step)
         for s in seqs:
             engine.add(s)
         bar = tqdm(total=len(examples), desc=f"{key.label:>16}", disable=not self.progress, unit="q")
@@ -135,11 +138,10 @@ class EvalRunner:
         records = []
         for ex, seq, rag_step in zip(examples, seqs, rag_steps):
             if rag_step is not None:
-                seq.trace.retrieval_steps.append(rag_step)
                 seq.trace.retrieval_ms += rag_step.latency_ms
                 seq.trace.total_ms += rag_step.latency_ms
                 seq.trace.evidence_tokens = rag_step.evidence_tokens
-            records.append(self._record(key, ex, seq.matcher.visible_text().strip(), seq.trace))
+            records.append(self._record(key, ex, seq.answer_text.strip(), seq.trace))
         return {"records": records, "wall_s": time.perf_counter() - t_run}
 
     def _rag_retrieve(self, batch: list[EvalExample]):
@@ -149,8 +151,9 @@ class EvalRunner:
         steps, blocks = [], []
         for ex, h in zip(batch, hits):
             block = self.formatter.render_block(h, 1)
-            steps.append(RetrievalStep(1, ex.question, [RetrievedDoc(x.doc_id, x.title, x.score, x.source) for x in h
-                                                        if x.doc_id in block.doc_ids],
+            docs = [RetrievedDoc(x.doc_id, x.title, x.score, x.source, n, text)  # numbered as the block shows them
+                    for n, (x, text) in enumerate(zip(h, block.shown), 1)]
+            steps.append(RetrievalStep(1, ex.question, docs,
                                        latency_ms=ms, evidence_tokens=len(block.token_ids), batch_size=len(batch)))
             blocks.append(block.text)
         return steps, blocks

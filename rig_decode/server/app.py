@@ -76,7 +76,8 @@ def rig_json(trace: Trace) -> dict:
                ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
     return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
             "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
-            "marker_errors": list(trace.marker_errors), "engine_errors": list(trace.engine_errors), "timings": timings, "gate": list(trace.gate),
+            "marker_errors": list(trace.marker_errors), "engine_errors": list(trace.engine_errors),
+            "timings": timings, "gate": list(trace.gate),
             "citations": list(trace.citations)}
 
 
