@@ -44,3 +44,12 @@ def test_the_tracer_finds_a_call_up_a_layer(model, tok):
 
     path, _ = request_path.trace_request(app_with_callback, "Which release fixed error E1234?")
     assert path.up == [("rig_decode.engine.sampling", "rig_decode.server.app", "count_finished")]
+
+
+def test_the_engine_and_the_runner_are_each_one_class():
+    """No mixins: the parts of a step are objects the engine and the runner hold, not base classes
+    that split one object across files."""
+    from rig_decode.engine.engine import RigEngine
+    from rig_decode.engine.runner_hf import HFModelRunner
+
+    assert RigEngine.__bases__ == (object,) and HFModelRunner.__bases__ == (object,)
