@@ -158,6 +158,8 @@ class Sequence:
         if self.answer is None:
             return ""
         upto = len(self.token_ids) if upto is None or final else max(self.answer_at, upto)
+        if upto == self.answer_at and not final:
+            return ""  # no token since the last call: the text is what it was (no O(answer) rebuild)
         new, self.answer_at = self.token_ids[self.answer_at : upto], upto
         return self.answer.feed(new, self.matcher.visible_bytes(final=final), final=final)
 
