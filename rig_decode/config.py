@@ -29,7 +29,10 @@ class ModelConfig(_Section):
     name: str = Field(DEFAULT_MODEL, min_length=1)
     """An embedded default name, a local directory, a ``.gguf`` file or a HuggingFace id."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "nf4"] = "none"
+    quantization: Literal["none", "nf4", "int8", "int4"] = "none"
+    """``nf4``: bitsandbytes 4-bit; ``int8``/``int4``: weight-only through PyTorch's own kernels
+    (``rig_decode.models.weight_only``), the LM head included: the fast decode on CPU (int8) and
+    for a 32B model on one 24 GB card (int4). docs/performance.md compares them."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_gemm: Literal["auto", "packed", "torch"] = "auto"
     """fp32 on CPU: ``packed`` keeps linear weights pre-packed for oneDNN (faster decode at any batch,
@@ -258,6 +261,16 @@ class EngineConfig(_Section):
     them returns."""
     sync_retrieval: bool = False
     """Search inside the decode step (the other rows wait); for comparison only."""
+    prefill_chunk_tokens: int | None = Field(512, ge=1)
+    """Tokens one prefill forward takes at most (a prompt, an evidence block, rows joining): a longer
+    one runs in chunks, so its activations are bounded by the chunk (``rig plan`` counts them);
+    null: no bound."""
+    decode_step: Literal["auto", "hf", "graph", "compiled"] = "auto"
+    """How a decode step (one token per row) runs: ``hf`` through the model's HF modules; ``graph``
+    as one function of tensors over the KV buffers (``models.decode_graph``); ``compiled`` that
+    function through ``torch.compile(fullgraph=True)`` (a CUDA graph on CUDA); ``auto``: compiled on
+    CUDA and for weight-only quantized models on CPU (where it measures faster: docs/performance.md),
+    else ``hf``."""
     zero_prefill: ZeroPrefillConfig = ZeroPrefillConfig()
 
     @model_validator(mode="after")

@@ -72,7 +72,9 @@ class RigEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         if runner is None and model is None:
             raise ValueError("RigEngine needs a model or a runner")
-        self.runner = runner if runner is not None else HFModelRunner(model, pad, options.kv_budget_tokens)
+        self.runner = runner if runner is not None else HFModelRunner(
+            model, pad, options.kv_budget_tokens, prefill_chunk=options.prefill_chunk_tokens,
+            decode_step=options.decode_step)
         self.chunks = self._chunk_store(model, options)
         if options.append_format == "summary" and not hasattr(self.runner, "evict"):
             raise ValueError(f"append_format: summary drops evidence from the KV cache, which "

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from ..gate import GateSettings
 
+DECODE_STEPS = ("auto", "hf", "graph", "compiled")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
@@ -32,6 +34,10 @@ class EngineOptions:
     kv_budget_tokens: int | None = None
     """Token slots the KV cache may hold (rows x columns); None: unlimited."""
     sync_retrieval: bool = False
+    prefill_chunk_tokens: int | None = None
+    """Tokens one prefill forward takes at most (longer ones run in chunks); None: no bound."""
+    decode_step: str = "auto"
+    """``hf``, ``graph``, ``compiled`` or ``auto`` (``HFModelRunner``)."""
     reprefill: bool = False
     """Reference mode (implies ``sync_retrieval``): a row with evidence to add drops its cache and
     prefills its whole token list again, as string-based RIG systems do; the other rows decode on."""
@@ -70,6 +76,10 @@ class EngineOptions:
         for name in ("max_batch_size", "max_new_tokens", "top_k", "max_hung_searches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}, got {self.decode_step!r}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be at least 1 (or None), got {self.prefill_chunk_tokens}")
         if self.max_iterations < 0:
             raise ValueError(f"max_iterations must be at least 0, got {self.max_iterations}")
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:

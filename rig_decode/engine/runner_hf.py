@@ -46,6 +46,13 @@ it computed; because attention is causal, the KV of any prefix of it is valid fo
 starts the same way, so a new row is seeded (at its left) with the longest common prefix and
 prefills the rest.
 
+A decode step (every row feeds one token over a cache that holds tokens) can instead run as one
+function of tensors over the layers' whole buffers (``decode_step``: ``models.decode_graph``),
+compiled with no graph break and, on CUDA, replayed as a CUDA graph; the runner pads the batch to
+the buffers' rows, so its shapes change only when a buffer grows. Every prefill (prompts, evidence,
+rows joining, a shared prefix) runs in forwards of at most ``prefill_chunk`` tokens, so its
+activations are bounded by the chunk, not by the prompt.
+
 Only full-attention models are served (every cache layer a ``BufferedLayer``): a sliding window
 would count hole columns as tokens.
 """
@@ -55,6 +62,7 @@ from __future__ import annotations
 import torch
 
 from ..models.cache_arg import cache_kw
+from ..models.decode_graph import DecodeGraph, decode_step_for
 from ..models.kv_buffers import new_cache
 from ..models.packed_attention import PACKED_ATTENTION, attention_implementation, packed_plan
 from .kv_surgery import KVSurgery, ProbeDone, stop_after
@@ -64,12 +72,19 @@ from .row_cache import RowCache
 class HFModelRunner:
     MIN_SHARED_PREFIX = 16
 
-    def __init__(self, model, pad_id: int, max_slots: int | None = None):
+    def __init__(self, model, pad_id: int, max_slots: int | None = None, prefill_chunk: int | None = None,
+                 decode_step: str = "hf"):
         """``max_slots``: token slots (rows x columns) the cache's buffers may hold, spare room
         included (the engine's KV budget; ``BufferedLayer`` says how it bounds them); None: no
-        bound."""
-        self.model, self.pad_id = model, pad_id
+        bound. ``prefill_chunk``: tokens one forward takes at most; None: no bound.
+        ``decode_step``: ``hf`` (the HF modules), ``graph`` or ``compiled`` (``DecodeGraph``), or
+        ``auto`` (``decode_step_for``)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1 (or None), got {prefill_chunk}")
+        self.model, self.pad_id, self.prefill_chunk = model, pad_id, prefill_chunk
         self.device = next(model.parameters()).device
+        self.decode_step = decode_step_for(model, decode_step)
+        self.graph = None if self.decode_step == "hf" else DecodeGraph(model, compile=self.decode_step == "compiled")
         self.kv = RowCache(model.config, self.device, max_slots)
         self.surgery = KVSurgery(model, self.kv)
         self._prefix: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -143,9 +158,12 @@ class HFModelRunner:
             for layer, (k, v) in zip(one.layers, self._prefix[1]):
                 layer.lazy_initialization(k, v)
                 layer.keys, layer.values = k[:, :, :known], v[:, :, :known]
-        self.model(input_ids=torch.tensor([ids[known:]], device=self.device),
-                   position_ids=torch.arange(known, len(ids), device=self.device)[None],
-                   **cache_kw(one), use_cache=True, logits_to_keep=1)
+        step = self.prefill_chunk or len(ids)
+        for start in range(known, len(ids), step):
+            end = min(start + step, len(ids))
+            self.model(input_ids=torch.tensor([ids[start:end]], device=self.device),
+                       position_ids=torch.arange(start, end, device=self.device)[None],
+                       **cache_kw(one), use_cache=True, logits_to_keep=1)
         self._prefix = (list(ids), [(layer.keys, layer.values) for layer in one.layers])
 
     def _capture_prefix(self) -> None:
@@ -185,13 +203,57 @@ class HFModelRunner:
         return logits
 
     def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-        """One forward over the rows' tokens: as new columns where that is plain, else packed."""
+        """A forward over the rows' tokens: a decode step through the graph where there is one,
+        else as new columns where that is plain, else packed; in chunks of at most
+        ``prefill_chunk`` tokens."""
         lens = [len(r) for r in rows]
         if not any(lens):
             raise ValueError("no row has anything to feed")
+        if self.prefill_chunk is not None and sum(lens) > self.prefill_chunk:
+            return self._forward_chunked(rows)
+        if self.graph is not None and not self.kv.is_empty and all(n == 1 for n in lens):
+            return self._forward_graph(rows)
         if self.kv.is_empty or (not self.has_holes and len(set(lens)) == 1):
             return self._forward_columns(rows)
         return self._forward_packed(rows)
+
+    def _forward_chunked(self, rows: list[list[int]]) -> torch.Tensor:
+        """The rows' tokens in forwards of at most ``prefill_chunk`` tokens, in order: each takes
+        the next tokens of the rows, first row first, until the chunk is full. A row's logits come
+        from the forward that fed its last token."""
+        rest, logits = [list(r) for r in rows], None
+        while any(rest):
+            budget, part = self.prefill_chunk, []
+            for r in rest:
+                take = min(len(r), budget)
+                part.append(r[:take])
+                budget -= take
+            out = self._forward(part)
+            done = [i for i, (p, r) in enumerate(zip(part, rest)) if p and len(p) == len(r)]
+            logits = out if logits is None else logits
+            logits[done] = out[done]
+            rest = [r[len(p):] for p, r in zip(part, rest)]
+        return logits
+
+    def _forward_graph(self, rows: list[list[int]]) -> torch.Tensor:
+        """A decode step through ``DecodeGraph``: every row writes its token's KV at its next column
+        of the layers' whole buffers (padded to their rows and columns), attending to its real
+        columns; positions, columns and the mask go in as tensors."""
+        batch, width = self.batch_size, max(self.num_columns, max(self.ends) + 1)
+        for layer in self.cache.layers:
+            layer.reserve(width, layer.keys)
+        pos, cols = list(self.lengths), list(self.ends)
+        self.kv.mark_written({i: 1 for i in range(batch)}, width)
+        buffers = [layer.buffers() for layer in self.cache.layers]
+        cap_rows, cap_cols = buffers[0][0].shape[0], buffers[0][0].shape[2]
+        pad = cap_rows - batch
+        ids = self.kv.upload(torch.tensor([r[0] for r in rows] + [self.pad_id] * pad))
+        mask = torch.zeros(cap_rows, cap_cols, dtype=torch.bool, device=self.device)
+        mask[:batch, :width] = self.attn.bool()
+        mask[batch:, 0] = True  # spare rows attend to something (their output is dropped)
+        logits = self.graph(ids, self.kv.upload(torch.tensor(pos + [0] * pad)), self.kv.upload(torch.tensor(cols + [0] * pad)),
+                            mask, [k for k, _ in buffers], [v for _, v in buffers])
+        return logits[:batch]
 
     def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]],
                      reselect: dict[int, int]) -> torch.Tensor:

@@ -104,7 +104,7 @@ class BufferedLayer(DynamicLayer):
         if self.max_slots is not None:  # spare rows go first, then spare columns down to MIN_SPARE
             cap_rows = max(rows, min(cap_rows, self.max_slots // (width + spare)))
             spare = max(self.MIN_SPARE, min(spare, self.max_slots // max(1, cap_rows) - width))
-        k, v = (like.new_empty(cap_rows, like.shape[1], width + spare, like.shape[3]) for _ in range(2))
+        k, v = (like.new_zeros(cap_rows, like.shape[1], width + spare, like.shape[3]) for _ in range(2))
         b, n = self.batch, self._nk
         if n:
             k[:b, :, :n], v[:b, :, :n] = self.keys, self.values
@@ -183,6 +183,13 @@ class BufferedLayer(DynamicLayer):
         self.reserve(width, self.keys)
         self._k[rows, :, cols] = keys
         self._v[rows, :, cols] = values
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, spare rows and columns included (``[rows, kv_heads,
+        columns, dim]``, never-written slots zero): what a compiled decode step reads and writes in
+        place, with shapes that change only when the layer moves to a larger buffer."""
+        self._own()
+        return self._k, self._v
 
     def truncate(self, width: int) -> None:
         """Drop every column from ``width`` on (a view: nothing is copied)."""

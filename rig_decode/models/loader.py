@@ -1,7 +1,8 @@
 """Load a causal LM and its tokenizer from an embedded default, a local path, a GGUF file or a hub id.
 
 ``quantization: nf4`` loads the weights in 4 bits with bitsandbytes (NF4, double quantisation,
-bf16 compute) - how a 32B model fits a 24 GB card. Device and dtype default to CUDA + bf16 when a
+bf16 compute); ``int8``/``int4`` quantize the linear layers after loading, weight-only, through
+PyTorch's own kernels (``weight_only.py``). Device and dtype default to CUDA + bf16 when a
 GPU is present, CPU + fp32 otherwise.
 """
 
@@ -17,6 +18,7 @@ from ..adapters import adapter_settings, resolve_adapter
 from .cpu_gemm import pack_linears, packing_available
 from .embedded import EMBEDDED_MODELS, pull
 from .quiet import quiet_peft
+from .weight_only import QUANTIZATIONS, quantize_linears
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -122,7 +124,7 @@ def load_model(cfg: ModelConfig):
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
         raise ModelLoadError(f"cannot load model {cfg.name!r}: {e}") from e
-    if cfg.quantization == "none":
+    if cfg.quantization != "nf4":
         model.to(device)
     adapter = adapter_path(cfg)
     if adapter is not None:
@@ -134,9 +136,11 @@ def load_model(cfg: ModelConfig):
             if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
                 model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
             model = PeftModel.from_pretrained(model, str(adapter))
-            if cfg.quantization == "none":
+            if cfg.quantization != "nf4":
                 model = model.merge_and_unload()
     model.eval()
+    if cfg.quantization in QUANTIZATIONS:  # after the adapter is merged in: its weights are quantized too
+        quantize_linears(model, cfg.quantization)
     if cfg.cpu_gemm != "torch" and device.type == "cpu" and dtype == torch.float32 and cfg.quantization == "none":
         if packing_available():
             pack_linears(model)
