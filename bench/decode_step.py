@@ -1,25 +1,33 @@
-"""Decode-step cost by batch and context: KV buffers vs DynamicCache, packed vs plain CPU GEMMs.
+"""Decode tokens/s of the runner's decode step, eager vs compiled and per weight format, beside the
+machine's memory-bandwidth bound.
 
-Three set-ups of the default model, measured interleaved on the same inputs:
+A decode step reads every weight once and each row's KV once, whatever the batch, so its speed is
+bounded by ``bytes read per step / memory bandwidth``: ``bound tok/s = batch x bandwidth / (weight
+bytes + KV bytes of every row)``. The bandwidth is measured in the same run (a copy of a 256 MiB
+tensor: bytes read + bytes written over its time, the STREAM "copy" convention).
 
-* ``dynamic``: a plain ``DynamicCache`` (concatenates every layer's keys and values each step,
-  a copy of the whole cache) and plain ``F.linear``;
-* ``buffered``: the runner's ``BufferedLayer`` cache (writes the new column in place), plain GEMMs;
-* ``packed``: buffered cache and linear weights pre-packed for oneDNN (``model.cpu_gemm: packed``,
-  the CPU default; ``rig_decode.models.cpu_gemm``).
+Set-ups of the embedded default model (``--setups``; each ``<weights> <step>``):
 
-Per set-up: the median of ``--steps`` decode steps after a prefill of ``T`` tokens per row, and
-``tok/s x`` - tokens per second relative to batch 1 of the same set-up at the same context (the
-batching gain a serving engine can get from decode alone). Checks that dynamic and buffered give
-identical logits and that packed picks the same greedy tokens.
+* ``packed hf``: fp32, linear weights pre-packed for oneDNN, the step through the HF modules
+  (the CPU default before this benchmark: the baseline);
+* ``fp32 compiled``: fp32 (plain GEMMs: packed weights cannot be traced), ``DecodeGraph``
+  compiled by ``torch.compile(fullgraph=True)``;
+* ``int8 hf`` / ``int8 graph`` / ``int8 compiled``: int8 weight-only (``model.quantization:
+  int8``), the step through the HF modules, as one eager function, compiled;
+* ``int4 compiled``: int4 weight-only, compiled; ``nf4 hf``: bitsandbytes nf4 (its CPU kernels).
 
-    python bench/decode_step.py [--batches 1,8,16] [--contexts 300,1000] [--steps 10] [--repeats 2]
+Per set-up, batch and context: the median of ``--steps`` steps of ``HFModelRunner`` after a
+prefill of random prompts (the first steps, which compile, untimed), tokens/s, the bound, the
+share of it reached and the speed over the baseline at the same batch. The greedy tokens of every
+set-up are compared with the baseline's over the timed steps (``same tokens``; quantized weights
+may pick others).
 
-With ``--shapes`` (random weights, ``bench/random_qwen.py``; ``--device``, ``--quant``, ``--cap-gib``):
-decode tokens/s of the engine's runner (``HFModelRunner`` steps after a prefill of random prompts,
-greedy), per batch and context, each the median of ``--steps`` steps after one warm-up::
+    python bench/decode_step.py [--batches 1,8] [--contexts 300] [--steps 10] [--setups ...]
 
-    python bench/decode_step.py --shapes qwen2.5-32b --batches 1,8 --contexts 1024 --steps 16 --cap-gib 24
+With ``--shapes`` (random weights, ``bench/random_qwen.py``; ``--device``, ``--quant``,
+``--cap-gib``; ``--steps-kind hf,compiled``): the same on a random model of those shapes::
+
+    python bench/decode_step.py --shapes qwen2.5-32b --quant int4 --steps-kind hf,compiled --batches 1,8 --contexts 1024
 
 Prints a table, then one JSON line.
 """
@@ -32,108 +40,136 @@ import sys
 import time
 
 import torch
-from transformers import DynamicCache
 
 from rig_decode.config import ModelConfig
-from rig_decode.models.kv_buffers import new_cache
-from rig_decode.models.cache_arg import cache_kw
+from rig_decode.engine import HFModelRunner
+from rig_decode.engine.kv import kv_bytes_per_token_of
 from rig_decode.models.loader import load_model
 
 import random_qwen  # bench/ is on sys.path when run as a script
 from harness import Table, emit
-from timing import Clock, prefill, random_ids
+from timing import Clock, random_ids
 
-SETUPS = ("dynamic", "buffered", "packed")
+SETUPS = ("packed hf", "fp32 compiled", "int8 hf", "int8 graph", "int8 compiled", "int4 compiled", "nf4 hf")
+WEIGHTS = {"packed": dict(cpu_gemm="packed"), "fp32": dict(cpu_gemm="torch"), "int8": dict(quantization="int8"),
+           "int4": dict(quantization="int4"), "nf4": dict(quantization="nf4")}
+WARMUP = 3  # untimed steps: compiles (and the recompile automatic dynamic shapes may make)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Bytes per second of a device-to-device copy (read + written), best of 10."""
+    a = torch.ones(nbytes // 4, device=device)
+    b = torch.empty_like(a)
+    clock = Clock(device)
+    best = min(clock.ms(lambda: b.copy_(a)) for _ in range(10))
+    return 2 * nbytes / (best / 1e3)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: every parameter and buffer once (a tied LM head is
+    the embedding's storage), less the input embedding (one row per token), plus oneDNN-packed
+    weights (opaque tensors held outside the parameters)."""
+    seen, total = set(), 0
+    embed = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    for t in (*model.parameters(), *model.buffers()):
+        if t.data_ptr() in seen or (t is embed and head is not embed):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            total += m.in_features * m.out_features * 4
+    return total
 
 
 @torch.no_grad()
-def measure(model, batch: int, context: int, steps: int, buffered: bool) -> tuple[list[float], torch.Tensor]:
-    cache = new_cache(model.config) if buffered else DynamicCache(config=model.config)
-    gen = torch.Generator().manual_seed(batch * 7919 + context)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen)
-    model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
-    times, logits = [], []
-    for i in range(steps):
-        step_ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
-        t0 = time.perf_counter()
-        out = model(input_ids=step_ids, position_ids=torch.full((batch, 1), context + i), **cache_kw(cache),
-                    use_cache=True, logits_to_keep=1)
-        times.append(time.perf_counter() - t0)
-        logits.append(out.logits)
-    return times, torch.cat(logits)
-
-
-@torch.no_grad()
-def runner_tok_s(model, batch: int, context: int, steps: int, clock: Clock, gen,
-                 kv_budget: int | None = None) -> float:
-    """Decode tokens/s of ``HFModelRunner`` at ``batch`` rows of ``context`` random tokens, greedy;
-    its KV buffers bounded by ``kv_budget`` tokens, as the engine bounds them."""
+def time_runner(model, step_kind: str, batch: int, context: int, steps: int, clock: Clock, seed: int):
+    """(median ms of a decode step, greedy tokens of the timed steps) of ``HFModelRunner`` with
+    ``decode_step=step_kind`` over ``batch`` random prompts of ``context`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
     prompts = [random_ids(gen, model.config.vocab_size, context) for _ in range(batch)]
-    runner, logits = prefill(model, prompts, kv_budget)
-    state = {"logits": logits}
+    runner = HFModelRunner(model, pad_id=0, decode_step=step_kind)
+    runner.reset(0)
+    logits = runner.step(runner.add_rows(prompts, share_prefix=False))
+    tokens = [[t] for t in logits.argmax(-1).tolist()]
+    for _ in range(WARMUP):
+        runner.step(tokens)
+        runner.drop_last(1)
+    times, picked = [], []
+    for _ in range(steps):
+        times.append(clock.ms(lambda: picked.append(runner.step(tokens).argmax(-1).tolist())))
+        runner.drop_last(1)  # every step decodes the same position: the shapes stay those compiled
+    return statistics.median(times), picked
 
-    def step():
-        state["logits"] = runner.step([[t] for t in state["logits"].argmax(-1).tolist()])
 
-    return batch * 1e3 / clock.median_ms(step, steps)
+def measure(models: dict, setups: list[str], batches: list[int], contexts: list[int], steps: int,
+            device: torch.device) -> tuple[float, list[dict]]:
+    bandwidth = copy_bandwidth(device)
+    clock, rows = Clock(device), []
+    for context in contexts:
+        for batch in batches:
+            base = None
+            for setup in setups:
+                weights, kind = setup.split()
+                model = models[weights]
+                ms, picked = time_runner(model, kind, batch, context, steps, clock, seed=batch * 7919 + context)
+                per_step = weight_bytes(model) + batch * context * kv_bytes_per_token_of(model)
+                tok_s, bound = batch * 1e3 / ms, batch * bandwidth / per_step
+                base = base or (tok_s, picked)
+                rows.append({"setup": setup, "batch": batch, "context": context, "ms": round(ms, 2),
+                             "tok_s": round(tok_s, 1), "bound_tok_s": round(bound, 1),
+                             "pct_of_bound": round(100 * tok_s / bound, 1), "speedup": round(tok_s / base[0], 2),
+                             "same_tokens": picked == base[1], "weight_mib": round(weight_bytes(model) / 2**20)})
+    return bandwidth, rows
+
+
+def report(rows: list[dict], bandwidth: float, extra: dict) -> None:
+    table = Table("set-up", "batch", "context", ("weights MiB", "{:.0f}"), ("ms/step", "{:.1f}"), ("tok/s", "{:.1f}"),
+                  ("bound tok/s", "{:.0f}"), ("% of bound", "{:.0f}%"), ("vs first", "{:.2f}x"), "same tokens")
+    for r in rows:
+        table.add(r["setup"], r["batch"], r["context"], r["weight_mib"], r["ms"], r["tok_s"], r["bound_tok_s"],
+                  r["pct_of_bound"], r["speedup"], r["same_tokens"])
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    table.print()
+    emit({"bench": "decode_step", **extra, "bandwidth_gbs": round(bandwidth / 1e9, 2), "rows": rows})
 
 
 def shapes_main(args) -> int:
-    """``--shapes``: the runner's decode tokens/s on a random-weight model."""
+    """``--shapes``: a random-weight model, the step kinds ``--steps-kind``."""
     model = random_qwen.from_arguments(args)
-    clock, gen = Clock(model.device), torch.Generator().manual_seed(0)
-    rows = [{"batch": b, "context": t, "tok_s": runner_tok_s(model, b, t, args.steps, clock, gen)}
-            for t in (int(x) for x in args.contexts.split(",")) for b in (int(x) for x in args.batches.split(","))]
-    table = Table("batch", "context", ("tokens/s", "{:.1f}"))
-    for r in rows:
-        table.add(r["batch"], r["context"], r["tok_s"])
-    table.print()
-    emit({"bench": "decode_step", "shapes": args.shapes, "device": str(model.device), "rows": rows}, digits=3)
+    quant = args.quant
+    models = {quant: model}
+    setups = [f"{quant} {k}" for k in args.steps_kind.split(",")]
+    bandwidth, rows = measure(models, setups, _ints(args.batches), _ints(args.contexts), args.steps, model.device)
+    report(rows, bandwidth, {"shapes": args.shapes, "device": str(model.device)})
     return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,8,16")
-    ap.add_argument("--contexts", default="300,1000")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--contexts", default="300")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds over the three set-ups")
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of: {', '.join(SETUPS)}")
+    ap.add_argument("--steps-kind", default="hf,compiled", help="with --shapes: decode_step choices")
     random_qwen.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.shapes:
         return shapes_main(args)
-    plain, _ = load_model(ModelConfig(device="cpu", cpu_gemm="torch"))
-    packed, _ = load_model(ModelConfig(device="cpu", cpu_gemm="packed"))
-    models = {"dynamic": (plain, False), "buffered": (plain, True), "packed": (packed, True)}
-    batches = [int(x) for x in args.batches.split(",")]
-    rows = []
-    for t in (int(x) for x in args.contexts.split(",")):
-        for b in batches:
-            times = {s: [] for s in SETUPS}
-            logits = {}
-            for _ in range(args.repeats):
-                for s in SETUPS:
-                    model, buffered = models[s]
-                    ts, logits[s] = measure(model, b, t, args.steps, buffered)
-                    times[s] += ts
-            row = {"batch": b, "context": t, **{f"{s}_ms": round(statistics.median(times[s]) * 1e3, 1) for s in SETUPS},
-                   "identical_cache": bool(torch.equal(logits["dynamic"], logits["buffered"])),
-                   "same_argmax_packed": bool(torch.equal(logits["buffered"].argmax(-1), logits["packed"].argmax(-1)))}
-            rows.append(row)
-        base = next(r for r in rows if r["context"] == t and r["batch"] == batches[0])
-        for r in rows:
-            if r["context"] == t:
-                for s in SETUPS:
-                    r[f"{s}_tok_s_x"] = round(r["batch"] / batches[0] * base[f"{s}_ms"] / r[f"{s}_ms"], 2)
-    table = Table("batch", "context", ("dynamic ms", "{:.1f}"), ("buffered ms", "{:.1f}"), ("packed ms", "{:.1f}"),
-                  ("packed vs buffered", "{:.2f}x"), ("tok/s x buffered", "{:.2f}x"), ("tok/s x packed", "{:.2f}x"),
-                  "same tokens")
-    for r in rows:
-        table.add(r["batch"], r["context"], r["dynamic_ms"], r["buffered_ms"], r["packed_ms"],
-                  r["buffered_ms"] / r["packed_ms"], r["buffered_tok_s_x"], r["packed_tok_s_x"],
-                  r["identical_cache"] and r["same_argmax_packed"])
-    table.print()
-    emit({"bench": "decode_step", "rows": rows})
+    setups = [s.strip() for s in args.setups.split(",")]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        ap.error(f"unknown set-ups {unknown}; known: {', '.join(SETUPS)}")
+    t0 = time.perf_counter()
+    models = {w: load_model(ModelConfig(device="cpu", **WEIGHTS[w]))[0] for w in dict.fromkeys(s.split()[0] for s in setups)}
+    bandwidth, rows = measure(models, setups, _ints(args.batches), _ints(args.contexts), args.steps, torch.device("cpu"))
+    report(rows, bandwidth, {"model": ModelConfig().name, "seconds": round(time.perf_counter() - t0)})
     return 0
 
 

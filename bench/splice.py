@@ -49,6 +49,7 @@ from rig_decode.engine.sequence import Sequence
 from rig_decode.evidence import EvidenceFormatter
 from rig_decode.kernels.chunk_kv import ChunkKVStore
 from rig_decode.markers import MarkerMatcher, MarkerSpec, MarkerVocab
+from rig_decode.models.cache_arg import cache_kw
 from rig_decode.models.loader import load_model
 from rig_decode.retrieval.base import Hit
 
@@ -101,7 +102,7 @@ def bench_context(model, tok, vocab, context: int, evidence: int, repeats: int, 
 
     @torch.no_grad()
     def floor():
-        model(input_ids=ids_new, position_ids=pos_new, cache=runner.cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids_new, position_ids=pos_new, **cache_kw(runner.cache), use_cache=True, logits_to_keep=1)
 
     full = torch.tensor([prefix + new_tokens], device=device)
     clock = Clock(device)
