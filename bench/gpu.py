@@ -1,18 +1,28 @@
-"""One-card benchmark: a Qwen2.5-32B-shaped model in nf4 under a 24 GB cap, with an index beside it.
+"""One-card benchmark: a Qwen2.5-32B-shaped model in 4 bits under a 24 GB cap, with an index beside it.
 
-A driver over the single-purpose benchmarks, in one process under one memory cap: it builds the
-model from its config alone (random weights, nf4 layer by layer: ``random_qwen.py``), puts a 1M x
-384 embedding index on the card beside it (``retrieval.py``'s ``DeviceIndex``), then measures each
-figure with the function its benchmark runs on its own (``--shapes`` / ``--random-index``):
+A driver over the single-purpose benchmarks. First two of them run in processes of their own (each
+with its own CUDA context, compile caches and graph pools, capped like the rest), before this
+process touches the card:
 
-1. decode tokens/s at batch 1 and 8 (``decode_step.py``);
-2. per hop at 2k and 8k context (``splice.py``): the evidence prefill (the marker's last token and a
+1. decode tokens/s at batch 1 and 8 beside the bound measured on the card, eager (``hf``) vs the
+   compiled step (CUDA graphs; on CPU uncompiled, ``graph``), for int4 and, with bitsandbytes, nf4
+   (``decode_step.py --shapes``), greedy tokens compiled vs eager; at 32B widths with 16 of the 64
+   layers (``--decode-layers``: compiling 64 takes minutes): their % of the bound is a floor for 64's;
+2. a prefill of 8k tokens under the cap, chunked (512 tokens, ``engine.prefill_chunk_tokens``) vs
+   in one forward: pass or out of memory, peak memory (``prefill_cap.py``).
+
+Then, in one process under one memory cap, it builds the model from its config alone (random
+weights, quantised layer by layer: ``random_qwen.py``), puts a 1M x 384 embedding index on the card
+beside it (``retrieval.py``'s ``DeviceIndex``), and measures each figure with the function its
+benchmark runs on its own (``--shapes`` / ``--random-index``):
+
+3. per hop at 2k and 8k context (``splice.py``): the evidence prefill (the marker's last token and a
    256-token block) in tokens/s, that splice vs a re-prefill, the KV the row then holds; the
    zero-prefill splices of the same hop and their device syncs (CUDA); cold pieces, each vs packed;
-3. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row (``rope_shift.py``);
-4. search: top-10 for 8 queries over the index; reranking 20 passages with flashrank when its model
+4. ``HFModelRunner.evict`` of a 256-token span in the middle of an 8k row (``rope_shift.py``);
+5. search: top-10 for 8 queries over the index; reranking 20 passages with flashrank when its model
    is already on disk (``retrieval.py``);
-5. memory: peak allocated, weights, KV bytes per token, the planner's KV budget for the cap minus
+6. memory: peak allocated, weights, KV bytes per token, the planner's KV budget for the cap minus
    the index (``rig plan``), whether that budget could be allocated beside the weights and the
    index, whether every section ran under the cap, and what the card holds outside torch's
    allocator (CUDA context, kernel images, FAISS): with torch's peak reserved, what a 24 GiB card
@@ -24,7 +34,7 @@ section that fails is reported in its row, and the rest still run. Progress goes
 gets one table, then ONE JSON line last. Stopped by SIGTERM (``timeout``), it still prints them,
 with the sections that ran (``"complete": false``).
 
-    python bench/gpu.py               # a GPU box: bitsandbytes with CUDA, optionally faiss-gpu
+    python bench/gpu.py --quant int4  # a GPU box (optionally bitsandbytes, faiss-gpu)
     python bench/gpu.py --device cpu  # small shapes (3 layers, contexts 256/512, 10k vectors), in seconds
 """
 
@@ -32,8 +42,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import resource
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,17 +59,20 @@ import torch
 from rig_decode.engine.kv import GiB, kv_bytes_per_token_of, plan_memory
 from rig_decode.kernels import backend_for
 
-import decode_step  # bench/ is on sys.path when run as a script
-import retrieval
+import retrieval  # bench/ is on sys.path when run as a script
 import rope_shift
 import splice
-from harness import SIGTERM_SEEN, Stopped, Table, emit, stop_on_sigterm
-from random_qwen import SHAPES, build_model, qwen2_config, quantisation, weights_bytes
+from gpu_report import Report
+from harness import SIGTERM_SEEN, Stopped, emit, stop_on_sigterm
+from random_qwen import QUANTS, SHAPES, build_model, has_bitsandbytes, qwen2_config, quantisation, stored_bytes
 from timing import Clock, cap_memory, outside_torch, pick_device
 
 SEED = 0
-SECTIONS = ("model", "index", "decode", "evidence prefill", "hop", "zero-prefill", "evict", "search", "rerank",
-            "memory")
+BENCH = Path(__file__).resolve().parent
+SOLO = ("decode", "long prefill")  # sections that run a benchmark in a process of its own
+SECTIONS = (*SOLO, "model", "index", "evidence prefill", "hop", "zero-prefill", "evict", "search",
+            "rerank", "memory")
+STEP_KINDS = "--steps-kind"  # decode_step.py's flag for the decode_step choices it compares
 
 
 @dataclass(frozen=True)
@@ -66,16 +82,20 @@ class Sizes:
     contexts: tuple[int, int]
     decode_context: int
     decode_steps: int
+    decode_layers: int | None  # decoder layers of the decode bench's model; None: all
+    prefill: tuple[int, int]  # the long prefill's tokens, and its chunk
     evidence: int
     index_rows: int
     cap_bytes: int
     repeats: int
     plan_model: str | None  # a known architecture for the planner; None: plan from the config
+    timeouts_s: tuple[int, int]  # of decode_step.py and prefill_cap.py, each in a process of its own
 
 
 SIZES = {
-    "qwen2.5-32b": Sizes((2048, 8192), 1024, 16, 256, 1_000_000, 24 * GiB, 5, "qwen2.5-32b"),
-    "small": Sizes((256, 512), 64, 8, 256, 10_000, 2 * GiB, 3, None),
+    "qwen2.5-32b": Sizes((2048, 8192), 1024, 10, 16, (8192, 512), 256, 1_000_000, 24 * GiB, 3, "qwen2.5-32b",
+                         (200, 120)),
+    "small": Sizes((256, 512), 64, 8, None, (512, 64), 256, 10_000, 2 * GiB, 3, None, (240, 240)),
 }
 
 
@@ -83,93 +103,60 @@ def log(msg: str) -> None:
     print(f"[bench/gpu] {msg}", file=sys.stderr, flush=True)
 
 
-class Report:
-    """Table rows in order, and the same figures for the JSON line (``None`` + reason when n/a)."""
-
-    def __init__(self):
-        self.rows: list[tuple] = []  # (section, metric, value, unit), or (section, metric, note)
-        self.data: dict = {}
-        self.na: dict[str, str] = {}
-        self.errors: dict[str, str] = {}
-
-    def add(self, section: str, metric: str, value, unit: str, key: str, sub=None) -> None:
-        self.rows.append((section, metric, value, unit))
-        self._put(key, sub, value)
-
-    def missing(self, section: str, metric: str, key: str, reason: str, sub=None) -> None:
-        short = reason if len(reason) <= 100 else reason[:99] + "…"  # the JSON keeps it whole
-        self.rows.append((section, metric, f"n/a ({short})"))
-        self._put(key, sub, None)
-        self.na[key if sub is None else f"{key}.{sub}"] = reason
-
-    def syncs(self, section: str, label: str, count: int | None, key: str, context: int) -> None:
-        """The device syncs in one hop (where its host side waits for the GPU), or n/a off CUDA."""
-        metric = f"device syncs in one {label}, {context} ctx"
-        if count is None:
-            self.missing(section, metric, key, "counted on cuda only", context)
-        else:
-            self.add(section, metric, count, "syncs", key, context)
-
-    def _put(self, key: str, sub, value) -> None:
-        if sub is None:
-            self.data[key] = value
-        else:
-            self.data.setdefault(key, {})[str(sub)] = value
-
-    def failed(self, section: str, error: str) -> None:
-        self.rows.append((section, "error", error))
-        self.errors[section] = error
-
-    def print(self) -> None:
-        """The rows grouped by section, in the order of ``SECTIONS``."""
-        def rank(row) -> int:
-            return next((i for i, name in enumerate(SECTIONS) if row[0].startswith(name)), len(SECTIONS))
-
-        table = Table(("section", "<"), ("metric", "<"), ("value", _value), ("unit", "<"))
-        for row in sorted(self.rows, key=rank):  # stable within a section
-            table.add(*row)
-        table.print()
-
-
-def _value(v) -> str:
-    """A figure as the table shows it: yes/no, thousands separated, 1 to 3 decimals by magnitude."""
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, float):
-        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
-    return str(v)
-
-
 class Run:
     """The model and the index on one device, and each section's measurement of them."""
 
-    def __init__(self, shapes: str, device: torch.device, quant, dtype: torch.dtype, report: Report):
+    def __init__(self, shapes: str, device: torch.device, quant: str, dtype: torch.dtype, report: Report,
+                 decode_steps: str, decode_layers: int | None):
         self.shapes, self.sizes, self.device, self.quant, self.dtype = shapes, SIZES[shapes], device, quant, dtype
         self.report, self.clock, self.gen = report, Clock(device), torch.Generator().manual_seed(SEED)
+        self.decode_steps, self.decode_layers = decode_steps, decode_layers
         self.model = self.index = self._planned = None
         self.oom = False
+
+    def shape_args(self, quant: str, layers: int | None = None) -> list[str]:
+        """What a benchmark run on its own is told of the model, the device and the cap."""
+        out = ["--shapes", self.shapes, "--device", self.device.type, "--quant", quant,
+               "--cap-gib", f"{self.sizes.cap_bytes / GiB:g}"]
+        return out + (["--layers", str(layers)] if layers else [])
+
+    def decode_quants(self) -> list[str]:
+        """int4 (torch's kernel) and, where bitsandbytes is installed, nf4 on CUDA; the run's format on CPU."""
+        if self.device.type != "cuda":
+            return [self.quant]
+        return ["int4", *(["nf4"] if has_bitsandbytes() else [])]
+
+    def decode_command(self, quant: str) -> list[str]:
+        s = self.sizes
+        return ["decode_step.py", *self.shape_args(quant, self.decode_layers), STEP_KINDS, self.decode_steps,
+                "--batches", "1,8", "--contexts", str(s.decode_context), "--steps", str(s.decode_steps)]
+
+    def prefill_command(self) -> list[str]:
+        tokens, chunk = self.sizes.prefill
+        return ["prefill_cap.py", *self.shape_args(self.quant), "--context", str(tokens), "--chunks", f"{chunk},none"]
+
+    def decode(self, quant: str) -> None:
+        total = SHAPES[self.shapes]["num_hidden_layers"]
+        self.report.decode(run_bench(self.decode_command(quant), self.sizes.timeouts_s[0]), quant,
+                           self.decode_layers or total, total)
+
+    def long_prefill(self) -> None:
+        failed = self.report.long_prefill(run_bench(self.prefill_command(), self.sizes.timeouts_s[1]))
+        if failed:  # chunking is what makes it fit: out of memory with it fails the section
+            self.oom = True
+            raise RuntimeError(failed)
 
     def build(self) -> None:
         def make():  # timed to the end of its queued init and quantise kernels
             self.model = build_model(SHAPES[self.shapes], self.device, self.dtype, self.quant, seed=SEED)
 
         self.report.add("model", "build (meta + per-layer init)", self.clock.ms(make) / 1e3, "s", "build_s")
-        self.report.add("model", "weights", weights_bytes(self.model) / GiB, "GiB", "weights_gb")
+        self.report.add("model", "weights", stored_bytes(self.model) / GiB, "GiB", "weights_gb")
 
     def build_index(self) -> None:
         self.index = retrieval.DeviceIndex(self.sizes.index_rows, self.device)
         self.report.add("index", f"{self.index.rows:,} x {retrieval.EMBED_DIM} resident", self.index.nbytes / GiB,
                         f"GiB ({self.index.dtype})", "index_gb")
-
-    def decode(self) -> None:
-        s = self.sizes
-        for batch in (1, 8):
-            tok_s = decode_step.runner_tok_s(self.model, batch, s.decode_context, s.decode_steps, self.clock, self.gen,
-                                             self.kv_budget)
-            self.report.add("decode", f"batch {batch} ({s.decode_context} ctx)", tok_s, "tokens/s", "decode_tok_s",
-                            batch)
 
     def hop(self, context: int) -> None:
         r, h = self.report, splice.runner_hop(self.model, context, self.sizes.evidence, self.sizes.repeats,
@@ -263,13 +250,12 @@ class Run:
         the index section)."""
         if self._planned is None:
             index = max(self.index.nbytes, self.index.outside_torch) if self.index is not None else 0
-            quant = "none" if self.quant is None else self.quant.bnb_4bit_quant_type
             dtype = str(self.dtype).removeprefix("torch.")
             with tempfile.TemporaryDirectory() as tmp:
                 model = self.sizes.plan_model or str(Path(tmp) / "config.json")
                 if not self.sizes.plan_model:
                     qwen2_config(SHAPES[self.shapes]).to_json_file(model)
-                self._planned = plan_memory(model, self.sizes.cap_bytes - index, quant, dtype, dtype)
+                self._planned = plan_memory(model, self.sizes.cap_bytes - index, self.quant, dtype, dtype)
         return self._planned
 
     def failure(self, e: Exception) -> str:
@@ -291,13 +277,29 @@ class Run:
         return True
 
     def sections(self) -> list[tuple[str, object, bool]]:
-        """(name, function, whether it needs the model), in the order they run."""
-        out = [("model", self.build, False), ("index", self.build_index, False), ("decode", self.decode, True)]
+        """(name, function, whether it needs the model) in order: first ``SOLO``, while we hold no memory."""
+        out = [(f"decode {q}", lambda q=q: self.decode(q), False) for q in self.decode_quants()]
+        out += [("long prefill", self.long_prefill, False), ("model", self.build, False),
+                ("index", self.build_index, False)]
         for c in self.sizes.contexts:
             out += [(f"hop {c}", lambda c=c: self.hop(c), True),
                     (f"zero-prefill {c}", lambda c=c: self.zero_prefill(c), True)]
         return out + [("zero-prefill pieces", self.cold_pieces, True), ("evict", self.evict, True),
                       ("search", self.search, False), ("rerank", self.rerank, False), ("memory", self.memory, True)]
+
+
+def run_bench(command: list[str], timeout_s: float) -> dict:
+    """``bench/<script> args...`` in a process of its own (with this one's CPU threads), its progress
+    and table on our stderr; the JSON of its last line."""
+    log("running " + " ".join(command))
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.run([sys.executable, str(BENCH / command[0]), *command[1:]], stdout=subprocess.PIPE,
+                          text=True, timeout=timeout_s, env=env)
+    lines = proc.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), file=sys.stderr, flush=True)
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{command[0]} exited with {proc.returncode}; stderr is in the log above")
+    return json.loads(lines[-1])
 
 
 def run_sections(run: Run) -> None:
@@ -326,7 +328,8 @@ def run_section(run: Run, name: str, fn, needs_model: bool) -> None:
     if name == "search" and run.index is None:
         run.report.failed(name, "skipped: the index was not built")
         return
-    cap_memory(run.device, run.sizes.cap_bytes)  # less what the card now holds outside torch
+    if not name.startswith(SOLO):  # those cap themselves; this process has not touched the card yet
+        cap_memory(run.device, run.sizes.cap_bytes)  # less what the card now holds outside torch
     try:
         with torch.no_grad():
             fn()
@@ -341,25 +344,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--small", action="store_true", help="small shapes on any device")
-    ap.add_argument("--quant", choices=("auto", "nf4", "none"), default="auto",
-                    help="auto: nf4 on CUDA, none on CPU")
+    ap.add_argument("--quant", choices=QUANTS, default="auto",
+                    help="the weights of the model built here (decode compares int4 and nf4 itself); auto: nf4 on "
+                         "CUDA with bitsandbytes, else int4 on CUDA, none on CPU")
+    ap.add_argument("--decode-steps", help="decode_step choices the decode compares (default: hf,compiled on CUDA, "
+                    "hf,graph on CPU, where compiling takes minutes)")
+    ap.add_argument("--decode-layers", type=int, help="decoder layers of the decode's model (default: 16 of the 32B "
+                    "shapes' 64, all of the small ones'; 0: all)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for torch (default: 1 on CPU, where the small shapes gain nothing from more "
                          "and idle-spinning threads distort timings on a busy machine)")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
     shapes = "small" if args.small or device.type == "cpu" else "qwen2.5-32b"
-    quant, dtype = quantisation(args.quant, device)
-    if shapes != "small" and quant is None:
-        raise SystemExit("the 32B shapes fit the 24 GiB cap only in nf4 (drop --quant none, or add --small)")
+    quantization, dtype = quantisation(args.quant, device)
+    if shapes != "small" and quantization not in ("nf4", "int4"):
+        raise SystemExit("the 32B shapes fit the 24 GiB cap only in 4 bits: --quant int4 or nf4 (or add --small)")
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
-    quantization = "none" if quant is None else quant.bnb_4bit_quant_type
     torch.manual_seed(SEED)
-    if device.type == "cuda":  # each section caps the allocator first (run_section)
-        torch.cuda.reset_peak_memory_stats(device)
+    layers = SIZES[shapes].decode_layers if args.decode_layers is None else args.decode_layers or None
+    steps = args.decode_steps or ("hf,compiled" if device.type == "cuda" else "hf,graph")
     t0, report = time.perf_counter(), Report()
-    run = Run(shapes, device, quant, dtype, report)
+    run = Run(shapes, device, quantization, dtype, report, steps, layers)
     log(f"{shapes} on {device} ({quantization}, {str(dtype).removeprefix('torch.')}), "
         f"cap {run.sizes.cap_bytes / GiB:.0f} GiB")
     previous = stop_on_sigterm()
@@ -370,10 +377,11 @@ def main(argv=None) -> int:
         complete = False
     finally:
         signal.signal(signal.SIGTERM, previous)
-    report.print()
+    report.print(SECTIONS)
     emit({"bench": "gpu", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
           "shapes": shapes, "quantization": quantization, "dtype": str(dtype).removeprefix("torch."),
-          "contexts": list(run.sizes.contexts), "evidence_tokens": run.sizes.evidence, **report.data,
+          "decode_steps": steps, "contexts": list(run.sizes.contexts), "evidence_tokens": run.sizes.evidence,
+          **report.data,
           "na": report.na, "errors": report.errors, "elapsed_s": round(time.perf_counter() - t0, 1),
           "complete": complete}, digits=4)
     return 1 if report.errors or not complete else 0

@@ -1,8 +1,10 @@
 """What ``bench/gpu.py`` runs, in the single-purpose benchmarks that own it, at the small random
-shapes on CPU: the runner's hop and zero-prefill hops (``splice.py``), its decode (``decode_step.py``),
-its evict (``rope_shift.py``), a random index on the device (``retrieval.py``), each called as the
-driver calls it and each as its own ``--shapes`` / ``--random-index`` command line."""
+shapes on CPU: the random model in each weight format (``random_qwen.py``), the runner's hop and
+zero-prefill hops (``splice.py``), its decode (``decode_step.py``), a long prefill chunked vs not
+(``prefill_cap.py``), its evict (``rope_shift.py``), a random index on the device (``retrieval.py``),
+each called as the driver calls it and each as its own ``--shapes`` / ``--random-index`` command line."""
 
+import argparse
 import math
 import sys
 
@@ -14,7 +16,7 @@ from rig_decode.engine import EngineOptions
 from .helpers import ROOT, bench_output, run_bench
 
 sys.path.append(str(ROOT / "bench"))  # as when a benchmark runs as a script: its siblings import by name
-import decode_step  # noqa: E402
+import prefill_cap  # noqa: E402
 import random_qwen  # noqa: E402
 import retrieval  # noqa: E402
 import rope_shift  # noqa: E402
@@ -35,9 +37,54 @@ def _gen():
 
 def test_the_small_shapes_are_a_three_layer_qwen2(model):
     cfg = model.config
-    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (3, 2, 32, 1000)
-    assert random_qwen.weights_bytes(model) == sum(p.nbytes for p in model.parameters()) + sum(
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (3, 2, 32, 1024)
+    assert random_qwen.stored_bytes(model) == sum(p.nbytes for p in model.parameters()) + sum(
         b.nbytes for b in model.buffers())
+
+
+def test_a_decode_step_reads_the_weights_but_the_embedding_table_and_every_rows_kv(model):
+    embed = model.get_input_embeddings().weight.nbytes
+    assert random_qwen.weight_bytes(model) == random_qwen.stored_bytes(model) - embed
+    per_token = 2 * 3 * 2 * 32 * 4  # K and V x layers x kv heads x head_dim x fp32
+    assert random_qwen.decode_bytes(model, 8, 100) == random_qwen.weight_bytes(model) + 8 * 100 * per_token
+
+
+@pytest.mark.parametrize("quant, cls, bits", [("int8", "Int8Linear", 8), ("int4", "Int4Linear", 4)])
+def test_weight_only_formats_quantise_every_linear_layer_and_the_lm_head(quant, cls, bits):
+    m = random_qwen.build_model(random_qwen.SHAPES["small"], torch.device("cpu"), torch.float32, quant)
+    linears = [n for n, mod in m.named_modules() if type(mod).__name__ == cls]
+    assert len(linears) == 3 * 7 + 1 and "lm_head" in linears  # q k v o gate up down per layer, and the head
+    assert not any(isinstance(mod, torch.nn.Linear) for mod in m.modules())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert m(input_ids=ids).logits.shape == (1, 4, 1024) and m.dtype == torch.float32
+    # Stored: bits per weight plus scales, the embedding and norms as built; far under fp32.
+    params = sum(mod.in_features * mod.out_features for mod in m.modules() if type(mod).__name__ == cls)
+    weights = random_qwen.stored_bytes(m) - m.get_input_embeddings().weight.nbytes
+    assert params * bits / 8 < weights < params * (bits + 1) / 8 + 64 * 1024
+
+
+def test_auto_quantisation_is_nf4_with_bitsandbytes_else_int4_on_cuda_and_none_on_cpu(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(random_qwen, "has_bitsandbytes", lambda: True)
+    assert random_qwen.quantisation("auto", cuda) == ("nf4", torch.bfloat16)
+    assert random_qwen.quantisation("auto", cpu) == ("none", torch.float32)
+    assert random_qwen.quantisation("nf4", cpu) == ("nf4", torch.bfloat16)
+    monkeypatch.setattr(random_qwen, "has_bitsandbytes", lambda: False)
+    assert random_qwen.quantisation("auto", cuda) == ("int4", torch.bfloat16)
+    assert random_qwen.quantisation("int8", cpu) == ("int8", torch.float32)
+    with pytest.raises(SystemExit, match="bitsandbytes"):
+        random_qwen.quantisation("nf4", cuda)
+
+
+def test_the_arguments_build_fewer_layers_and_name_the_format_they_chose():
+    ap = argparse.ArgumentParser()
+    random_qwen.add_arguments(ap)
+    args = ap.parse_args(["--shapes", "small", "--device", "cpu", "--quant", "auto", "--layers", "2"])
+    m = random_qwen.from_arguments(args)
+    assert m.config.num_hidden_layers == len(m.model.layers) == 2 and m.config.hidden_size == 128
+    assert args.quant == "none"
+    with pytest.raises(SystemExit):
+        random_qwen.shape_of("small", 0)
 
 
 def test_evidence_segments_lay_a_block_out_as_the_formatter_does():
@@ -66,9 +113,20 @@ def test_zero_prefill_hops_reuse_the_engines_share(model):
     assert cold["pieces"] == 10 and cold["cold_pieces_each_ms"] > 0 and cold["cold_pieces_packed_ms"] > 0
 
 
-def test_decode_and_evict_on_the_runner(model):
-    assert decode_step.runner_tok_s(model, 2, 16, 2, Clock("cpu"), _gen()) > 0
+def test_evict_on_the_runner(model):
     assert rope_shift.runner_evict_ms(model, 64, 16, 1, Clock("cpu"), _gen()) > 0
+
+
+def test_a_chunked_prefill_gives_the_logits_of_one_forward(model):
+    result = prefill_cap.run(model, 96, [16, None, 40], cap_bytes=None)
+    assert [(r["chunk"], r["ok"], r["error"]) for r in result["rows"]] == [(16, True, None), (None, True, None),
+                                                                          (40, True, None)]
+    assert all(r["ms"] > 0 and "peak_allocated_gib" not in r for r in result["rows"])  # memory: CUDA only
+    assert result["compared"]["same_argmax"] is True and result["compared"]["max_abs_diff"] < 1e-4
+    assert result["kv_bytes_per_token"] == 2 * 3 * 2 * 32 * 4
+    assert prefill_cap.parse_chunks("512,none") == [512, None]
+    with pytest.raises(SystemExit):
+        prefill_cap.parse_chunks("0")
 
 
 def test_prefill_holds_the_rows_and_gives_their_next_token_logits(model):
@@ -102,11 +160,23 @@ def test_splice_on_random_shapes_from_the_command_line():
 
 
 def test_decode_step_on_random_shapes_from_the_command_line():
-    lines, result = bench_output(run_bench("decode_step.py", "--shapes", "small", "--device", "cpu", "--batches",
-                                           "1,2", "--contexts", "16", "--steps", "2", timeout=300))
-    assert lines[0].split() == ["batch", "context", "tokens/s"]
-    assert result["shapes"] == "small" and [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 16), (2, 16)]
-    assert all(r["tok_s"] > 0 for r in result["rows"])
+    """As bench/gpu.py runs it: one weight format, the step kinds, each row beside its bound."""
+    _, result = bench_output(run_bench("decode_step.py", "--shapes", "small", "--device", "cpu", "--quant", "int4",
+                                       "--steps-kind", "hf,graph", "--batches", "1,2", "--contexts", "16", "--steps",
+                                       "2", timeout=300))
+    assert result["bench"] == "decode_step" and result["shapes"] == "small" and result["bandwidth_gbs"] > 0
+    assert [(r["setup"], r["batch"], r["context"]) for r in result["rows"]] == [
+        ("int4 hf", 1, 16), ("int4 graph", 1, 16), ("int4 hf", 2, 16), ("int4 graph", 2, 16)]
+    assert all(r["tok_s"] > 0 and r["bound_tok_s"] > 0 and r["pct_of_bound"] >= 0 for r in result["rows"])
+
+
+def test_prefill_cap_on_random_shapes_from_the_command_line():
+    lines, result = bench_output(run_bench("prefill_cap.py", "--shapes", "small", "--device", "cpu", "--quant", "int8",
+                                           "--context", "128", "--chunks", "32,none", timeout=300))
+    assert lines[0].split()[:2] == ["chunk", "result"] and lines[1].split()[:3] == ["32", "tokens", "ok"]
+    assert result["bench"] == "prefill_cap" and (result["quantization"], result["layers"]) == ("int8", 3)
+    assert [r["chunk"] for r in result["rows"]] == [32, None] and all(r["ok"] for r in result["rows"])
+    assert result["compared"]["same_argmax"] is True
 
 
 def test_rope_shift_on_random_shapes_times_the_runners_evict():
