@@ -224,8 +224,10 @@ class HFModelRunner:
         rest, logits = [list(r) for r in rows], None
         while any(rest):
             budget, part = self.prefill_chunk, []
+            # over an empty cache the rows go as one padded [rows, width] forward: bound the width
+            width = max(1, self.prefill_chunk // len(rows)) if self.kv.is_empty else budget
             for r in rest:
-                take = min(len(r), budget)
+                take = min(len(r), budget, width)
                 part.append(r[:take])
                 budget -= take
             out = self._forward(part)
@@ -291,7 +293,7 @@ class HFModelRunner:
         probe = [rows[i][1 : 1 + widths[i]] if i in staged else [] for i in range(self.batch_size)]
         with stop_after(self.surgery.decoder_layers(), KVSurgery.PROBE_LAYERS):
             try:
-                self._forward(probe)
+                self._forward_packed(probe)  # one forward: the probe stops inside it
             except ProbeDone:
                 pass
         at = {i: (self.ends[i] - widths[i], self.lengths[i] - widths[i]) for i in staged}  # first column, position

@@ -24,10 +24,16 @@ import torch
 import torch.nn.functional as F
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # inv_freq fixed at load time
+# Architectures whose decoder layer is exactly what ``_step`` computes (no multipliers, every layer
+# rotated, rotary pairs (i, i + dim/2)); others keep the HF path.
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def unsupported_reason(model) -> str | None:
     """Why ``DecodeGraph`` cannot run this model (None: it can)."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(MODEL_TYPES)}"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
@@ -119,6 +125,9 @@ class DecodeGraph:
         self.scaling = self.head_dim**-0.5
         self.compiled = compile
         if compile:
+            # Every instance compiles the one function ``_step``, and Dynamo counts recompiles per
+            # function: leave room for many models (and their buffer shapes) in one process.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             # Shapes are the buffers' (they change when a buffer grows): the first compile is for
             # the shapes it meets, the second for any (torch.compile's automatic dynamic shapes).
             cuda = next(model.parameters()).device.type == "cuda"

@@ -89,6 +89,12 @@ class Int4Linear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether torch's int4 packing takes this layer: outputs a multiple of 16, inputs of 32 (a
+    vocabulary resized for added tokens may not be: that head stays as it is)."""
+    return linear.out_features % 16 == 0 and linear.in_features % 32 == 0
+
+
 def quantize_linears(model: nn.Module, bits: str) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` (the LM head included) by its ``bits``
     (``int8`` or ``int4``) weight-only version, in place; returns how many. An LM head that shares
@@ -99,9 +105,10 @@ def quantize_linears(model: nn.Module, bits: str) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and (bits == "int8" or int4_fits(child)):
                 setattr(parent, name, cls(child))
                 count += 1
-    if getattr(model.config, "tie_word_embeddings", False):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(model.config, "tie_word_embeddings", False) and not isinstance(head, nn.Linear):
         model.config.tie_word_embeddings = False  # the head is its own (quantized) tensor now
     return count
