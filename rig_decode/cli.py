@@ -173,12 +173,12 @@ def cmd_eval(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .engine.kv import parse_bytes, plan_memory
+    from .engine.kv import plan_memory
 
-    plan = plan_memory(args.model, parse_bytes(args.gpu_mem), args.quantization, args.dtype, args.kv_dtype,
-                       parse_bytes(args.overhead))
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "argv", "json", "model_flag")}
+    plan = plan_memory(**options | {"model": args.model or args.model_flag})
     print(json.dumps(plan.to_dict()) if args.json else plan.table())
-    return 0
+    return 0 if plan.fits else 1
 
 
 def cmd_synth(args) -> int:
@@ -315,13 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
-    pl = sub.add_parser("plan", help="what fits in GPU memory: weights, KV bytes per token, KV token budget")
-    pl.add_argument("--model", required=True, help="qwen2.5-32b, Qwen/Qwen2.5-32B-Instruct, or a config.json path")
-    pl.add_argument("--gpu-mem", required=True, help="e.g. 24GB")
-    pl.add_argument("--quantization", default="nf4", choices=["nf4", "none"])
-    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    pl.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"])
-    pl.add_argument("--overhead", default="1.5GB", help="CUDA context, activations, allocator slack")
+    pl = sub.add_parser("plan", help="what a GPU holds serving a model, part by part: its margin and KV budget")
+    pl.add_argument("model", nargs="?", help="qwen2.5-32b, a HF id or a config.json (or --model); each option's "
+                    "default is engine.kv.plan_memory's: a 24GiB card, nf4, 8,192 tokens x 1 sequence, 512-token chunk")
+    pl.add_argument("--model", dest="model_flag", help=argparse.SUPPRESS)
+    for name in ("gpu_mem", "quantization", "dtype", "kv_dtype", "context", "sequences", "prefill_chunk",
+                 "index_vectors", "index_dim", "index_scratch", "outside_torch"):  # as text: plan_memory parses it
+        pl.add_argument("--" + name.replace("_", "-"), default=argparse.SUPPRESS)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

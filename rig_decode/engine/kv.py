@@ -1,12 +1,28 @@
-"""KV-cache memory: the planner behind ``rig plan`` and the token budget the scheduler admits by.
+"""GPU memory: the planner behind ``rig plan`` and the token budget the scheduler admits by.
 
-Weights: every linear layer of the decoder in the chosen format; embeddings, norms and the LM head
-stay in the compute dtype (bitsandbytes does not quantize them). NF4 with double quantisation
-costs 4 bits per weight plus one 8-bit absmax per 64 weights plus one fp32 scale per 256 absmax
-values: 4 + 8/64 + 32/(64*256) = 4.127 bits.
+The plan counts what a card holds while serving, each as a line of ``rig plan``:
 
-KV: ``2 (K and V) x layers x kv_heads x head_dim x bytes`` per token, e.g. Qwen2.5-32B in bf16:
-2 x 64 x 8 x 128 x 2 B = 256 KiB per token.
+* weights - every linear layer of the decoder in the chosen format. ``nf4`` (bitsandbytes, double
+  quantisation): 4 bits plus one 8-bit absmax per 64 weights plus one fp32 scale per 256 absmax
+  values, 4 + 8/64 + 32/(64*256) = 4.127 bits; the LM head stays in the compute dtype.
+  ``int4`` (``models.weight_only``): 4 bits plus a bf16 scale and zero per 128 input channels,
+  4 + 32/128 = 4.25 bits; ``int8``: 8 bits plus a bf16 scale per output channel; both quantize
+  the LM head too. Embeddings and norms stay in the compute dtype.
+* KV - ``2 (K and V) x layers x kv_heads x head_dim x bytes`` per token, e.g. Qwen2.5-32B in bf16:
+  2 x 64 x 8 x 128 x 2 B = 256 KiB per token; the plan holds ``sequences x context`` tokens.
+* prefill activations - the peak of one forward of a prefill chunk beside weights and KV
+  (``prefill_activation_bytes``): one layer's transients at a time, so it does not grow with the
+  layers, and bounded by the chunk except for the attention's keys and values, which grow with the
+  context.
+* decode graph pool - what a compiled decode step replayed as a CUDA graph keeps in its pool: the
+  step's activations at the planned rows and columns (``decode_graph_bytes``).
+* index - the retrieval index's vectors on the card (float32, flat) and FAISS's GPU scratch.
+* outside torch - what the card holds beside torch's allocator: the CUDA context and kernel images
+  (0.686 GiB measured on an H200 by ``bench/gpu.py``; torch's ``max_memory_*`` never see it).
+
+What is left after everything but the KV is the KV budget; the margin is the card less every line.
+Not counted: the caching allocator's fragmentation (reserved but unallocated), which the margin
+has to absorb.
 """
 
 from __future__ import annotations
@@ -15,9 +31,22 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-GiB = 1024**3
+GiB, MiB = 1024**3, 1024**2
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+INT4_GROUP = 128  # input channels per int4 scale and zero (models.weight_only.INT4_GROUP)
+QUANTIZATIONS = ("nf4", "int4", "int8", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+OUTSIDE_TORCH = int(0.7 * GiB)  # CUDA context + kernel images: 0.686 GiB on an H200 (bench/gpu.py)
+FAISS_GPU_SCRATCH = int(1.5 * GiB)  # StandardGpuResources' temporary memory on a card over 8 GiB
+KV_HEADROOM, KV_MIN_SPARE = 0.25, 64  # a KV buffer's spare columns (models.kv_buffers.BufferedLayer)
+
+# One prefill forward's transients, in [tokens x width] tensors of the compute dtype: counted from
+# HF's Qwen2 forward and fitted to bench/prefill_memory.py at Qwen2.5-32B widths, per layer measured
+# apart (docs/benchmarks.md, "Prefill memory by chunk (Qwen2.5-32B widths)"):
+HIDDEN_COPIES = 4  # [tokens, hidden] held across a layer: embeddings, the layer's input, residual, normed
+MLP_COPIES = 3  # [tokens, intermediate]: act(gate), up and their product (3.0 measured, chunk 2048 and none)
+QKV_COPIES = 4  # [tokens, q + 2 kv]: projections, rotated copies, the attention's output (2.5-3.7 measured)
+WORKSPACE = 32 * MiB  # a matmul's scratch and the small tensors: what is left, 25-32 MiB measured
 
 # Architectures people plan for, so that `rig plan` works offline (values from their config.json).
 KNOWN = {
@@ -60,12 +89,22 @@ class Architecture:
         return cls(**{k: v for k, v in cfg.items() if k in keys and v is not None})
 
     @property
+    def q_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def layer_linears(self) -> list[tuple[int, int]]:
+        """(out, in) of one decoder layer's linear layers: q, k, v, o, gate, up, down."""
+        h, q, kv, inter = self.hidden_size, self.q_width, self.kv_width, self.intermediate_size
+        return [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+
+    @property
     def linear_params(self) -> int:
         """Weights of the decoder's linear layers (what 4-bit quantisation applies to)."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h
-        mlp = 3 * h * self.intermediate_size
-        return self.num_hidden_layers * (attn + mlp)
+        return self.num_hidden_layers * sum(o * i for o, i in self.layer_linears())
 
     @property
     def other_params(self) -> int:
@@ -98,50 +137,188 @@ def resolve_architecture(model: str) -> tuple[str, Architecture]:
                          f"{', '.join(KNOWN)}; or pass a config.json path") from None
 
 
+def quantized_bytes(out_features: int, in_features: int, quantization: str, dtype: str = "bfloat16") -> int:
+    """Bytes of one ``out x in`` linear weight in ``quantization`` (as ``models.weight_only`` stores
+    int8 and int4, as bitsandbytes stores nf4)."""
+    n = out_features * in_features
+    if quantization == "int8":  # + a bf16 scale per output channel
+        return n + 2 * out_features
+    if quantization == "int4":  # + a bf16 scale and zero per group: 4.25 bits at groups of 128
+        group = INT4_GROUP
+        while in_features % group and group > 32:
+            group //= 2
+        return n // 2 + 4 * out_features * (in_features // group)
+    return int(n * (NF4_BITS if quantization == "nf4" else 8 * DTYPE_BYTES[dtype]) / 8)
+
+
+def weights_bytes(arch: Architecture, quantization: str = "nf4", dtype: str = "bfloat16") -> int:
+    """The model's weights on the card: nf4 leaves the LM head in ``dtype``, int8 and int4 quantize
+    it (a tied head becomes a quantized copy beside the embeddings)."""
+    if quantization in ("nf4", "none"):
+        bits = NF4_BITS if quantization == "nf4" else 8 * DTYPE_BYTES[dtype]
+        return int(arch.linear_params * bits / 8 + arch.other_params * DTYPE_BYTES[dtype])
+    embed = arch.vocab_size * arch.hidden_size
+    rest = arch.other_params - embed * (1 if arch.tie_word_embeddings else 2)  # norms, biases
+    layers = arch.num_hidden_layers * sum(quantized_bytes(o, i, quantization) for o, i in arch.layer_linears())
+    head = quantized_bytes(arch.vocab_size, arch.hidden_size, quantization)
+    return layers + head + (embed + rest) * DTYPE_BYTES[dtype]
+
+
+def prefill_activation_bytes(arch: Architecture, chunk: int, context: int, dtype: str = "bfloat16",
+                             quantization: str = "none", rows: int = 1) -> int:
+    """Peak bytes one prefill forward of ``chunk`` tokens, the last of a ``context``-token prompt,
+    holds beside weights and KV. The layers run one after the other and free their transients, so
+    the number of layers does not enter: what is held across layers (``HIDDEN_COPIES`` hidden states
+    and the ``[chunk, context]`` causal mask), plus the larger of the MLP's transients and the
+    attention's. Those of the attention include, once the chunk attends to a cache (with a mask,
+    HF's sdpa path repeats the KV heads itself rather than pass GQA to the kernel), the keys and
+    values repeated per query head over the whole context: the one term that grows with the
+    context, not with the chunk. Plus a matmul's scratch, the last token's logits (and their fp32
+    copy), and for nf4 one dequantized weight (bitsandbytes dequantizes a 4-bit weight for a matmul
+    over many tokens; the int4 and int8 kernels read the packed weight)."""
+    b, c = DTYPE_BYTES[dtype], min(chunk, context)
+    held = HIDDEN_COPIES * c * arch.hidden_size * b + (c * context if context > c else 0)
+    mlp = MLP_COPIES * c * arch.intermediate_size * b
+    attn = QKV_COPIES * c * (arch.q_width + 2 * arch.kv_width) * b
+    if context > c and arch.kv_width < arch.q_width:
+        attn += 2 * context * arch.q_width * b
+    logits = rows * arch.vocab_size * (b + 4)
+    dequant = max(o * i for o, i in arch.layer_linears()) * b if quantization == "nf4" else 0
+    return held + max(mlp, attn) + WORKSPACE + logits + dequant
+
+
+def buffer_columns(context: int) -> int:
+    """Columns of a KV buffer holding ``context`` tokens: its spare quarter (``BufferedLayer``)."""
+    return context + max(KV_MIN_SPARE, int(context * KV_HEADROOM))
+
+
+def decode_graph_bytes(arch: Architecture, rows: int, columns: int, dtype: str = "bfloat16") -> int:
+    """The pool of a decode step replayed as a CUDA graph (``models.decode_graph``): its static
+    inputs (ids, positions, columns, the ``[rows, columns]`` mask), its fp32 logits, and one layer's
+    transients at ``rows`` tokens. Its attention has a mask and GQA, which sdpa's flash kernel does
+    not take, so it is counted as the math kernel runs it: keys and values repeated per query head
+    over every column, and fp32 scores with their softmax. An estimate from the step's shapes (no
+    CUDA here to measure on): small at a few rows, but it grows with rows x columns."""
+    b = DTYPE_BYTES[dtype]
+    attn = 2 * rows * columns * arch.q_width * b + 2 * rows * arch.num_attention_heads * columns * 4
+    mlp = MLP_COPIES * rows * arch.intermediate_size * b
+    static = rows * columns + 3 * rows * 8 + rows * arch.vocab_size * (b + 4)
+    return static + HIDDEN_COPIES * rows * arch.hidden_size * b + max(attn, mlp)
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
+    """Every line of ``rig plan``, in bytes. ``margin_bytes``: the card less all of them;
+    ``max_kv_tokens``: the KV the card has room for beside everything else (the engine's budget)."""
+
     model: str
     quantization: str
+    dtype: str
     kv_dtype: str
     gpu_bytes: int
     weights_bytes: int
-    overhead_bytes: int
+    activation_bytes: int
+    graph_pool_bytes: int
+    index_bytes: int
+    index_scratch_bytes: int
+    outside_torch_bytes: int
     kv_bytes_per_token: int
-    max_kv_tokens: int
+    sequences: int
+    context_tokens: int
+    prefill_chunk_tokens: int | None
+    index_vectors: int = 0
+    index_dim: int = 0
 
     @property
     def kv_bytes(self) -> int:
-        return self.max_kv_tokens * self.kv_bytes_per_token
+        return self.sequences * self.context_tokens * self.kv_bytes_per_token
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the KV."""
+        return (self.weights_bytes + self.activation_bytes + self.graph_pool_bytes + self.index_bytes
+                + self.index_scratch_bytes + self.outside_torch_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + self.kv_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.gpu_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+    @property
+    def max_kv_tokens(self) -> int:
+        return max(0, self.gpu_bytes - self.fixed_bytes) // self.kv_bytes_per_token
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        derived = ("kv_bytes", "fixed_bytes", "total_bytes", "margin_bytes", "fits", "max_kv_tokens")
+        return {**asdict(self), **{k: getattr(self, k) for k in derived}}
 
     def table(self) -> str:
+        chunk, ctx, seqs = self.prefill_chunk_tokens, self.context_tokens, self.sequences
+        head = "LM head in " + (self.quantization if self.quantization in ("int4", "int8") else self.dtype)
+        bits = {"nf4": NF4_BITS, "int4": 4 + 32 / INT4_GROUP, "int8": 8}.get(self.quantization)
+        weights = (f"{self.quantization}: {bits:.4g} bits per linear weight, " if bits else f"{self.dtype}, ") + head
+        index = f"{self.index_vectors:,} x {self.index_dim} float32 vectors, flat" if self.index_bytes else "none"
+        scratch = "FAISS GPU temporary memory" if self.index_scratch_bytes else ""
         rows = [
-            ("model", self.model),
-            ("weights", f"{self.weights_bytes / GiB:.2f} GiB ({self.quantization})"),
-            ("runtime overhead", f"{self.overhead_bytes / GiB:.2f} GiB"),
-            ("KV cache per token", f"{self.kv_bytes_per_token / 1024:.0f} KiB ({self.kv_dtype})"),
-            ("memory", f"{self.gpu_bytes / GiB:.2f} GiB"),
-            ("KV budget", f"{self.kv_bytes / GiB:.2f} GiB = {self.max_kv_tokens:,} tokens"),
-            ("e.g.", f"{self.max_kv_tokens // 4096} sequences of 4k tokens, {self.max_kv_tokens // 8192} of 8k"),
+            ("card", self.gpu_bytes, self.model),
+            ("weights", self.weights_bytes, weights),
+            ("KV cache", self.kv_bytes, f"{seqs} x {ctx:,} tokens x {self.kv_bytes_per_token // 1024} KiB "
+                                        f"({self.kv_dtype})"),
+            ("prefill activations", self.activation_bytes,
+             f"{f'chunks of {chunk} tokens' if chunk else 'one forward'} at {ctx:,} context, one layer at a time"),
+            ("decode graph pool", self.graph_pool_bytes, f"CUDA graph of the decode step: {seqs} row(s) x "
+                                                         f"{buffer_columns(ctx):,} KV columns"),
+            ("index", self.index_bytes, index),
+            ("index scratch", self.index_scratch_bytes, scratch),
+            ("outside torch", self.outside_torch_bytes, "CUDA context, kernel images"),
+            ("total", self.total_bytes, ""),
         ]
-        return "\n".join(f"{k:<20} {v}" for k, v in rows)
+        out = [f"{k:<20} {v / GiB:6.2f} GiB  {note}".rstrip() for k, v, note in rows]
+        margin = f"{abs(self.margin_bytes) / GiB:.2f} GiB"
+        out.append(f"{'margin':<20} {self.margin_bytes / GiB:6.2f} GiB  "
+                   + (f"fits, margin {margin}" if self.fits else f"does not fit, short by {margin}"))
+        n = self.max_kv_tokens
+        out.append(f"{'KV budget':<20} {n * self.kv_bytes_per_token / GiB:6.2f} GiB  {n:,} tokens: what the card "
+                   f"holds beside the rest ({n // ctx} x {ctx:,})")
+        return "\n".join(out)
 
 
-def plan_memory(model: str, gpu_bytes: int, quantization: str = "nf4", dtype: str = "bfloat16",
-                kv_dtype: str = "bfloat16", overhead_bytes: int = int(1.5 * GiB)) -> MemoryPlan:
-    """What fits: weights in ``quantization``, ``overhead_bytes`` for the CUDA context, activations
-    and allocator slack, and the rest as KV cache."""
+def plan_memory(model: str, gpu_mem: int | str = 24 * GiB, quantization: str = "nf4", dtype: str = "bfloat16",
+                kv_dtype: str = "bfloat16", outside_torch: int | str = OUTSIDE_TORCH, *, context: int = 8192,
+                sequences: int = 1, prefill_chunk: int | str | None = 512, index_vectors: int = 0,
+                index_dim: int = 0, index_scratch: int | str | None = None) -> MemoryPlan:
+    """What ``sequences`` sequences of ``context`` tokens need on a card of ``gpu_mem``, line by line
+    (the module's docstring), prefilled in chunks of ``prefill_chunk`` tokens (None or ``"none"``:
+    in one forward), with ``index_vectors x index_dim`` float32 vectors on the card and, when there
+    are any, FAISS's GPU scratch (``index_scratch``; default ``FAISS_GPU_SCRATCH``). Sizes are bytes
+    or text (``"24GiB"``: ``parse_bytes``), as ``rig plan`` passes them. A plan that does not fit is
+    returned too: its margin says by how much. Counts may be text too (``rig plan`` passes its options
+    as typed)."""
+    size = lambda v: parse_bytes(v) if isinstance(v, str) else v  # noqa: E731
+    chunk = None if prefill_chunk in (None, "none") else int(prefill_chunk)
+    context, sequences, index_vectors, index_dim = map(int, (context, sequences, index_vectors, index_dim))
+    if not model:
+        raise ValueError("name a model: qwen2.5-32b, a Hugging Face id or a config.json path")
+    if quantization not in QUANTIZATIONS or {dtype, kv_dtype} - set(DTYPE_BYTES):
+        raise ValueError(f"quantization is one of {', '.join(QUANTIZATIONS)} and dtypes of {', '.join(DTYPE_BYTES)}; "
+                         f"got {quantization!r}, {dtype!r}, {kv_dtype!r}")
+    if context < 1 or sequences < 1 or (chunk is not None and chunk < 1):
+        raise ValueError("context, sequences and the prefill chunk must be at least 1")
     name, arch = resolve_architecture(model)
-    linear_bits = NF4_BITS if quantization == "nf4" else 8 * DTYPE_BYTES[dtype]
-    weights = int(arch.linear_params * linear_bits / 8 + arch.other_params * DTYPE_BYTES[dtype])
-    per_token = arch.kv_bytes_per_token(kv_dtype)
-    free = gpu_bytes - weights - overhead_bytes
-    if free <= 0:
-        raise ValueError(f"{name} needs {weights / GiB:.1f} GiB of weights plus {overhead_bytes / GiB:.1f} GiB "
-                         f"overhead: it does not fit in {gpu_bytes / GiB:.1f} GiB")
-    return MemoryPlan(name, quantization, kv_dtype, gpu_bytes, weights, overhead_bytes, per_token, free // per_token)
+    index = index_vectors * index_dim * 4
+    scratch = (FAISS_GPU_SCRATCH if index_scratch is None else size(index_scratch)) if index else 0
+    return MemoryPlan(
+        name, quantization, dtype, kv_dtype, size(gpu_mem), weights_bytes(arch, quantization, dtype),
+        prefill_activation_bytes(arch, min(chunk or context, context), context, dtype, quantization, sequences),
+        decode_graph_bytes(arch, sequences, buffer_columns(context), dtype), index, scratch, size(outside_torch),
+        arch.kv_bytes_per_token(kv_dtype), sequences, context, chunk, index_vectors, index_dim)
 
 
 def parse_bytes(text: str) -> int:
