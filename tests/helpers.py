@@ -205,3 +205,72 @@ class MarkersForever:
             want = self.filler if m.is_open else self.start_next[m.start_states[0]]
             scores[i, want] = 0.0
         return scores
+
+
+def random_schedule(reference, runner, rng, moves: int, feed_sizes: list[int]) -> dict[str, int]:
+    """A seeded random schedule of what the engine does to the runner: rows join (with and without
+    a shared prefix), feed ragged token counts (drawn from ``feed_sizes``; 0 parks the row), lose
+    spans to eviction, leave, and the cache is compacted. On a one-layer model the cache must then
+    *be* each row's kept tokens: every fed row's logits equal a fresh forward of them through
+    ``reference`` (the runner's model, or a copy of it where hooks on the runner's should see the
+    runner's forwards only). The rows' host bookkeeping (real tokens per row, hence ``has_holes``,
+    which picks the forward) must match the device's mask after every move. Returns how often each
+    move ran."""
+    shared = [rng.randrange(3, 600) for _ in range(20)]
+
+    def prompt():
+        return (shared if rng.random() < 0.5 else []) + [rng.randrange(3, 600) for _ in range(rng.randint(2, 12))]
+
+    def fresh(ids):
+        with torch.no_grad():
+            return reference(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+    def consistent():
+        real = runner.attn.bool()
+        assert runner.lengths == real.sum(1).tolist() == [len(t) for t in tokens]
+        assert runner.has_holes == (not bool(real.all()))
+
+    def step(feed):
+        logits = runner.step(feed)
+        for i, new in enumerate(feed):
+            tokens[i] += new
+            if new:
+                torch.testing.assert_close(logits[i], fresh(tokens[i]), atol=2e-4, rtol=2e-4)
+        consistent()
+
+    first = [prompt() for _ in range(3)]
+    tokens = [[] for _ in first]
+    runner.reset(0)
+    step(runner.add_rows(first))
+    kinds = {"step": 0, "join": 0, "evict": 0, "leave": 0, "compact": 0}
+    for _ in range(moves):
+        kind = rng.choice(["step", "step", "step", "join", "evict", "leave", "compact"])
+        if kind == "join" and runner.batch_size < 6:
+            new = [prompt() for _ in range(rng.randint(1, 2))]
+            rest = runner.add_rows(new, share_prefix=rng.random() < 0.7)
+            tokens += [p[: len(p) - len(r)] for p, r in zip(new, rest)]
+            consistent()
+            step([[] for _ in range(runner.batch_size - len(new))] + rest)
+        elif kind == "evict" and max(map(len, tokens)) >= 6:
+            row = max(range(len(tokens)), key=lambda i: (len(tokens[i]), rng.random()))
+            start = rng.randrange(1, len(tokens[row]) - 3)
+            end = rng.randrange(start + 1, len(tokens[row]) - 1)
+            runner.evict(row, start, end)
+            del tokens[row][start:end]
+            consistent()
+        elif kind == "leave" and runner.batch_size > 1:
+            keep = sorted(rng.sample(range(runner.batch_size), rng.randint(1, runner.batch_size - 1)))
+            runner.select(keep)
+            tokens = [tokens[i] for i in keep]
+            consistent()
+        elif kind == "compact":
+            runner.compact(force=rng.random() < 0.5)
+            consistent()
+        else:
+            kind = "step"
+            feed = [[rng.randrange(3, 600) for _ in range(rng.choice(feed_sizes))] for _ in tokens]
+            if not any(feed):
+                feed[0] = [7]
+            step(feed)
+        kinds[kind] += 1
+    return kinds

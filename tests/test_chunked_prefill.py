@@ -18,7 +18,7 @@ from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_hf import HFModelRunner
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
-from .helpers import ForceScript, LogitRecorder, ScriptedRetriever, one_layer_model, tiny_model
+from .helpers import ForceScript, LogitRecorder, ScriptedRetriever, one_layer_model, random_schedule, tiny_model
 from .test_exactness import PROMPTS, SHARED, _full_forward_logits, _script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,78 +127,14 @@ def test_every_forward_of_a_ragged_step_feeds_at_most_the_chunk(wide):
 
 
 def test_a_batchs_first_prompts_compute_at_most_the_chunk(wide):
-    model = wide
     """The chunk bounds the activations of a forward: the positions it computes, padding included."""
+    model = wide
     gen = torch.Generator().manual_seed(22)
     chunk = 5
     runner = HFModelRunner(model, pad_id=0, prefill_chunk=chunk)
     with forward_shapes(model) as shapes:
         runner.prefill(_prompts(gen, [12, 3, 7]))
     assert max(s[0] * s[1] for s in shapes) <= chunk, shapes
-
-
-def random_schedule(reference, runner, rng: random.Random, moves: int = 50) -> dict[str, int]:
-    """A seeded random schedule of what the engine does to the runner (as in
-    ``test_exactness.test_random_joins_steps_evictions_and_leaves_keep_every_row_exact``): rows join
-    (with and without a shared prefix), feed ragged token counts or park, lose spans to eviction,
-    leave, and the cache is compacted. On a one-layer model every fed row's logits must equal a
-    fresh forward of its kept tokens through ``reference`` (the runner's model, or a copy of it
-    where hooks on the runner's should see the runner's forwards only). Returns how often each move
-    ran."""
-    shared = [rng.randrange(3, 600) for _ in range(20)]
-
-    def prompt():
-        return (shared if rng.random() < 0.5 else []) + [rng.randrange(3, 600) for _ in range(rng.randint(2, 12))]
-
-    def consistent():
-        real = runner.attn.bool()
-        assert runner.lengths == real.sum(1).tolist() == [len(t) for t in tokens]
-
-    def step(feed):
-        logits = runner.step(feed)
-        for i, new in enumerate(feed):
-            tokens[i] += new
-            if new:
-                torch.testing.assert_close(logits[i], _full_forward_logits(reference, tokens[i]), atol=2e-4,
-                                           rtol=2e-4)
-        consistent()
-
-    first = [prompt() for _ in range(3)]
-    tokens = [[] for _ in first]
-    runner.reset(0)
-    step(runner.add_rows(first))
-    kinds = {"step": 0, "join": 0, "evict": 0, "leave": 0, "compact": 0}
-    for _ in range(moves):
-        kind = rng.choice(["step", "step", "step", "join", "evict", "leave", "compact"])
-        if kind == "join" and runner.batch_size < 6:
-            new = [prompt() for _ in range(rng.randint(1, 2))]
-            rest = runner.add_rows(new, share_prefix=rng.random() < 0.7)
-            tokens += [p[: len(p) - len(r)] for p, r in zip(new, rest)]
-            consistent()
-            step([[] for _ in range(runner.batch_size - len(new))] + rest)
-        elif kind == "evict" and max(map(len, tokens)) >= 6:
-            row = max(range(len(tokens)), key=lambda i: (len(tokens[i]), rng.random()))
-            start = rng.randrange(1, len(tokens[row]) - 3)
-            end = rng.randrange(start + 1, len(tokens[row]) - 1)
-            runner.evict(row, start, end)
-            del tokens[row][start:end]
-            consistent()
-        elif kind == "leave" and runner.batch_size > 1:
-            keep = sorted(rng.sample(range(runner.batch_size), rng.randint(1, runner.batch_size - 1)))
-            runner.select(keep)
-            tokens = [tokens[i] for i in keep]
-            consistent()
-        elif kind == "compact":
-            runner.compact(force=rng.random() < 0.5)
-            consistent()
-        else:
-            kind = "step"
-            feed = [[rng.randrange(3, 600) for _ in range(rng.choice([0, 1, 1, 1, 1, 1, 9]))] for _ in tokens]
-            if not any(feed):
-                feed[0] = [7]
-            step(feed)
-        kinds[kind] += 1
-    return kinds
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
@@ -208,7 +144,8 @@ def test_random_joins_steps_evictions_and_leaves_stay_exact_in_chunks(chunk):
     model = one_layer_model(600)
     runner = HFModelRunner(model, pad_id=0, prefill_chunk=chunk)
     with forward_shapes(model) as shapes:
-        kinds = random_schedule(one_layer_model(600), runner, random.Random(6))
+        kinds = random_schedule(one_layer_model(600), runner, random.Random(6), moves=50,
+                                feed_sizes=[0, 1, 1, 1, 1, 1, 9])
     assert min(kinds.values()) >= 3, kinds
     assert max(s[-1] for s in shapes) == chunk
 

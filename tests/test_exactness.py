@@ -391,75 +391,16 @@ def test_a_lone_prompt_is_prefilled_with_the_batch_and_becomes_the_cached_prefix
 
 
 def test_random_joins_steps_evictions_and_leaves_keep_every_row_exact():
-    """A seeded random schedule of what the engine does to the runner: rows join (with and without
-    a shared prefix), feed ragged token counts or park, lose spans to eviction, leave, and the cache
-    is compacted. On a one-layer model the cache must then *be* each row's kept tokens: every fed
-    row's logits equal a fresh forward of them. The rows' host bookkeeping (real tokens per row,
-    hence ``has_holes``, which picks the forward) must match the device's mask after every move."""
+    """A seeded random schedule of what the engine does to the runner (``helpers.random_schedule``):
+    on a one-layer model every fed row's logits equal a fresh forward of its kept tokens, and the
+    rows' host bookkeeping matches the device's mask after every move."""
     import random
 
     from rig_decode.engine.runner_hf import HFModelRunner
 
-    from .helpers import one_layer_model
+    from .helpers import one_layer_model, random_schedule
 
     model = one_layer_model(600)
-    rng = random.Random(5)
-    shared = [rng.randrange(3, 600) for _ in range(20)]
-
-    def prompt():
-        return (shared if rng.random() < 0.5 else []) + [rng.randrange(3, 600) for _ in range(rng.randint(2, 12))]
-
-    def fresh(ids):
-        with torch.no_grad():
-            return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-
-    def consistent():
-        real = runner.attn.bool()
-        assert runner.lengths == real.sum(1).tolist() == [len(t) for t in tokens]
-        assert runner.has_holes == (not bool(real.all()))
-
-    def step(feed):
-        logits = runner.step(feed)
-        for i, new in enumerate(feed):
-            tokens[i] += new
-            if new:
-                torch.testing.assert_close(logits[i], fresh(tokens[i]), atol=2e-4, rtol=2e-4)
-        consistent()
-
-    runner = HFModelRunner(model, pad_id=0)
-    first = [prompt() for _ in range(3)]
-    tokens = [[] for _ in first]
-    runner.reset(0)
-    step(runner.add_rows(first))
-    kinds = {"step": 0, "join": 0, "evict": 0, "leave": 0, "compact": 0}
-    for _ in range(60):
-        kind = rng.choice(["step", "step", "step", "join", "evict", "leave", "compact"])
-        if kind == "join" and runner.batch_size < 6:
-            new = [prompt() for _ in range(rng.randint(1, 2))]
-            rest = runner.add_rows(new, share_prefix=rng.random() < 0.7)
-            tokens += [p[: len(p) - len(r)] for p, r in zip(new, rest)]
-            consistent()
-            step([[] for _ in range(runner.batch_size - len(new))] + rest)
-        elif kind == "evict" and max(map(len, tokens)) >= 6:
-            row = max(range(len(tokens)), key=lambda i: (len(tokens[i]), rng.random()))
-            start = rng.randrange(1, len(tokens[row]) - 3)
-            end = rng.randrange(start + 1, len(tokens[row]) - 1)
-            runner.evict(row, start, end)
-            del tokens[row][start:end]
-            consistent()
-        elif kind == "leave" and runner.batch_size > 1:
-            keep = sorted(rng.sample(range(runner.batch_size), rng.randint(1, runner.batch_size - 1)))
-            runner.select(keep)
-            tokens = [tokens[i] for i in keep]
-            consistent()
-        elif kind == "compact":
-            runner.compact(force=rng.random() < 0.5)
-            consistent()
-        else:
-            kind = "step"
-            feed = [[rng.randrange(3, 600) for _ in range(rng.choice([0, 1, 1, 1, 3]))] for _ in tokens]
-            if not any(feed):
-                feed[0] = [7]
-            step(feed)
-        kinds[kind] += 1
+    kinds = random_schedule(model, HFModelRunner(model, pad_id=0), random.Random(5), moves=60,
+                            feed_sizes=[0, 1, 1, 1, 3])
     assert min(kinds.values()) >= 3, kinds  # the schedule exercised every move
