@@ -43,7 +43,6 @@ import torch
 
 from rig_decode.config import ModelConfig
 from rig_decode.engine import HFModelRunner
-from rig_decode.engine.kv import kv_bytes_per_token_of
 from rig_decode.models.loader import load_model
 
 import random_qwen  # bench/ is on sys.path when run as a script
@@ -63,25 +62,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
     clock = Clock(device)
     best = min(clock.ms(lambda: b.copy_(a)) for _ in range(10))
     return 2 * nbytes / (best / 1e3)
-
-
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads of the weights: every parameter and buffer once (a tied LM head is
-    the embedding's storage), less the input embedding (one row per token), plus oneDNN-packed
-    weights (opaque tensors held outside the parameters)."""
-    seen, total = set(), 0
-    embed = model.get_input_embeddings().weight
-    head = getattr(model.get_output_embeddings(), "weight", None)
-    for t in (*model.parameters(), *model.buffers()):
-        if t.data_ptr() in seen or (t is embed and head is not embed):
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    for m in model.modules():
-        packed = getattr(m, "packed", None)
-        if isinstance(packed, torch.Tensor):
-            total += m.in_features * m.out_features * 4
-    return total
 
 
 @torch.no_grad()
@@ -115,13 +95,14 @@ def measure(models: dict, setups: list[str], batches: list[int], contexts: list[
                 weights, kind = setup.split()
                 model = models[weights]
                 ms, picked = time_runner(model, kind, batch, context, steps, clock, seed=batch * 7919 + context)
-                per_step = weight_bytes(model) + batch * context * kv_bytes_per_token_of(model)
-                tok_s, bound = batch * 1e3 / ms, batch * bandwidth / per_step
+                tok_s = batch * 1e3 / ms
+                bound = batch * bandwidth / random_qwen.decode_bytes(model, batch, context)
                 base = base or (tok_s, picked)
                 rows.append({"setup": setup, "batch": batch, "context": context, "ms": round(ms, 2),
                              "tok_s": round(tok_s, 1), "bound_tok_s": round(bound, 1),
                              "pct_of_bound": round(100 * tok_s / bound, 1), "speedup": round(tok_s / base[0], 2),
-                             "same_tokens": picked == base[1], "weight_mib": round(weight_bytes(model) / 2**20)})
+                             "same_tokens": picked == base[1],
+                             "weight_mib": round(random_qwen.weight_bytes(model) / 2**20)})
     return bandwidth, rows
 
 

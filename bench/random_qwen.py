@@ -169,7 +169,8 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, quant: st
 
 def stored_bytes(model: nn.Module) -> int:
     """The weights as the model holds them: parameters and buffers, the nf4 scales bitsandbytes
-    keeps beside each packed weight, the biases ``weight_only``'s layers keep as plain tensors."""
+    keeps beside each packed weight, the biases ``weight_only``'s layers keep as plain tensors, and
+    oneDNN-packed fp32 weights (``cpu_gemm: packed``: opaque tensors outside the parameters)."""
     total = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
     for module in model.modules():
         qs = getattr(getattr(module, "weight", None), "quant_state", None)
@@ -179,15 +180,18 @@ def stored_bytes(model: nn.Module) -> int:
                 total += qs.state2.absmax.nbytes + qs.state2.code.nbytes
         if isinstance(module, tuple(WEIGHT_ONLY.values())) and module.bias is not None:
             total += module.bias.nbytes
+        if isinstance(getattr(module, "packed", None), torch.Tensor):  # PackedLinear
+            total += module.in_features * module.out_features * 4 + (0 if module.bias is None else module.bias.nbytes)
     return total
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights one decode step reads: all it stores but the input embedding table, of
-    which a step reads one row per token (unless the LM head is that table)."""
-    embed = model.get_input_embeddings().weight
+    which a step reads one row per token, unless the LM head reads that table (tied, and neither
+    quantized nor packed into a copy of its own)."""
     head = getattr(model.get_output_embeddings(), "weight", None)
-    return stored_bytes(model) - (0 if head is embed else embed.nbytes)
+    tied = getattr(model.config, "tie_word_embeddings", False) and head is not None and head.is_floating_point()
+    return stored_bytes(model) - (0 if tied else model.get_input_embeddings().weight.nbytes)
 
 
 def decode_bytes(model: nn.Module, batch: int, context: int) -> int:
