@@ -148,8 +148,10 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown set-ups {unknown}; known: {', '.join(SETUPS)}")
     t0 = time.perf_counter()
-    models = {w: load_model(ModelConfig(device="cpu", **WEIGHTS[w]))[0] for w in dict.fromkeys(s.split()[0] for s in setups)}
-    bandwidth, rows = measure(models, setups, _ints(args.batches), _ints(args.contexts), args.steps, torch.device("cpu"))
+    weights = dict.fromkeys(s.split()[0] for s in setups)
+    models = {w: load_model(ModelConfig(device="cpu", **WEIGHTS[w]))[0] for w in weights}
+    cpu = torch.device("cpu")
+    bandwidth, rows = measure(models, setups, _ints(args.batches), _ints(args.contexts), args.steps, cpu)
     report(rows, bandwidth, {"model": ModelConfig().name, "seconds": round(time.perf_counter() - t0)})
     return 0
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..gate import GateSettings
-
-DECODE_STEPS = ("auto", "hf", "graph", "compiled")
+from ..models.decode_graph import DECODE_STEPS
 
 
 @dataclass(frozen=True, slots=True)

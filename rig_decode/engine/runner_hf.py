@@ -231,9 +231,11 @@ class HFModelRunner:
                 part.append(r[:take])
                 budget -= take
             out = self._forward(part)
-            done = [i for i, (p, r) in enumerate(zip(part, rest)) if p and len(p) == len(r)]
-            logits = out if logits is None else logits
-            logits[done] = out[done]
+            if logits is None:
+                logits = out
+            else:  # the rows this forward fed their last tokens
+                done = [i for i, (p, r) in enumerate(zip(part, rest)) if p and len(p) == len(r)]
+                logits[done] = out[done]
             rest = [r[len(p):] for p, r in zip(part, rest)]
         return logits
 
@@ -253,8 +255,8 @@ class HFModelRunner:
         mask = torch.zeros(cap_rows, cap_cols, dtype=torch.bool, device=self.device)
         mask[:batch, :width] = self.attn.bool()
         mask[batch:, 0] = True  # spare rows attend to something (their output is dropped)
-        logits = self.graph(ids, self.kv.upload(torch.tensor(pos + [0] * pad)), self.kv.upload(torch.tensor(cols + [0] * pad)),
-                            mask, [k for k, _ in buffers], [v for _, v in buffers])
+        positions, columns = (self.kv.upload(torch.tensor(x + [0] * pad)) for x in (pos, cols))
+        logits = self.graph(ids, positions, columns, mask, [k for k, _ in buffers], [v for _, v in buffers])
         return logits[:batch]
 
     def _step_staged(self, rows: list[list[int]], staged: dict[int, tuple[list, torch.Tensor]],

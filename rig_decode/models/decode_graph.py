@@ -23,6 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cpu_gemm import PackedLinear
+from .weight_only import Int4Linear, Int8Linear
+
+DECODE_STEPS = ("auto", "hf", "graph", "compiled")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")  # inv_freq fixed at load time
 # Architectures whose decoder layer is exactly what ``_step`` computes (no multipliers, every layer
 # rotated, rotary pairs (i, i + dim/2)); others keep the HF path.
@@ -55,11 +59,12 @@ def unsupported_reason(model) -> str | None:
 
 
 def decode_step_for(model, choice: str) -> str:
-    """``auto``: ``compiled`` on CUDA and for weight-only quantized models on CPU (where the
-    compiled step measures faster: docs/performance.md), else ``hf``; any choice but ``hf`` falls
-    back to ``hf`` for a model ``DecodeGraph`` cannot run, unless it was asked for by name."""
-    if choice not in ("auto", "hf", "graph", "compiled"):
-        raise ValueError(f"decode_step must be auto, hf, graph or compiled, got {choice!r}")
+    """The decode step a runner uses for ``choice`` (one of ``DECODE_STEPS``). ``auto``: ``compiled``
+    on CUDA and for weight-only quantized models on CPU (where the compiled step measures faster:
+    docs/performance.md), else ``hf``, and ``hf`` for a model the graph cannot run or compile;
+    ``graph`` or ``compiled`` asked for by name for such a model is an error that says why."""
+    if choice not in DECODE_STEPS:
+        raise ValueError(f"decode_step must be {', '.join(DECODE_STEPS[:-1])} or {DECODE_STEPS[-1]}, got {choice!r}")
     reason = unsupported_reason(model)
     if choice == "compiled" and reason is None:
         reason = uncompilable_reason(model)
@@ -69,8 +74,6 @@ def decode_step_for(model, choice: str) -> str:
         return choice
     if reason is not None or uncompilable_reason(model) is not None:
         return "hf"
-    from .weight_only import Int4Linear, Int8Linear
-
     device = next(model.parameters()).device
     quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
     return "compiled" if device.type == "cuda" or quantized else "hf"
@@ -78,8 +81,6 @@ def decode_step_for(model, choice: str) -> str:
 
 def uncompilable_reason(model) -> str | None:
     """Why torch.compile cannot trace this model's decode step (None: it can)."""
-    from .cpu_gemm import PackedLinear
-
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         return "its linear weights are packed for oneDNN (opaque to torch.compile): load it with model.cpu_gemm: torch"
     return None
