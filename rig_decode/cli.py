@@ -316,12 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     pl = sub.add_parser("plan", help="what a GPU holds serving a model, part by part: its margin and KV budget")
-    pl.add_argument("model", nargs="?", help="qwen2.5-32b, a HF id or a config.json (or --model); each option's "
-                    "default is engine.kv.plan_memory's: a 24GiB card, nf4, 8,192 tokens x 1 sequence, 512-token chunk")
+    pl.add_argument("model", nargs="?", help="qwen2.5-32b, HF id or config.json (24GiB, nf4, 8192 x 1, chunk 512)")
     pl.add_argument("--model", dest="model_flag", help=argparse.SUPPRESS)
     for name in ("gpu_mem", "quantization", "dtype", "kv_dtype", "context", "sequences", "prefill_chunk",
-                 "index_vectors", "index_dim", "index_scratch", "outside_torch"):  # as text: plan_memory parses it
-        pl.add_argument("--" + name.replace("_", "-"), default=argparse.SUPPRESS)
+                 "index_vectors", "index_dim", "index_scratch", "outside_torch"):  # sizes as text: plan_memory parses
+        pl.add_argument("--" + name.replace("_", "-"), default=argparse.SUPPRESS,
+                        type=int if name in ("context", "sequences", "index_vectors", "index_dim") else str)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

@@ -299,11 +299,9 @@ def plan_memory(model: str, gpu_mem: int | str = 24 * GiB, quantization: str = "
     in one forward), with ``index_vectors x index_dim`` float32 vectors on the card and, when there
     are any, FAISS's GPU scratch (``index_scratch``; default ``FAISS_GPU_SCRATCH``). Sizes are bytes
     or text (``"24GiB"``: ``parse_bytes``), as ``rig plan`` passes them. A plan that does not fit is
-    returned too: its margin says by how much. Counts may be text too (``rig plan`` passes its options
-    as typed)."""
+    returned too: its margin says by how much."""
     size = lambda v: parse_bytes(v) if isinstance(v, str) else v  # noqa: E731
     chunk = None if prefill_chunk in (None, "none") else int(prefill_chunk)
-    context, sequences, index_vectors, index_dim = map(int, (context, sequences, index_vectors, index_dim))
     if not model:
         raise ValueError("name a model: qwen2.5-32b, a Hugging Face id or a config.json path")
     if quantization not in QUANTIZATIONS or {dtype, kv_dtype} - set(DTYPE_BYTES):
