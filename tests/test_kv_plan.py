@@ -115,3 +115,10 @@ def test_kv_bytes_of_a_loaded_model(model):
     cfg = model.config
     assert kv_bytes_per_token_of(model) == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
         cfg.hidden_size // cfg.num_attention_heads) * 4
+
+
+def test_rig_plan_names_a_bad_option():
+    out = _rig_plan("qwen2.5-32b", "--context", "8k")
+    assert out.returncode == 2 and "argument --context: invalid int value: '8k'" in out.stderr
+    out = _rig_plan("qwen2.5-32b", "--quantization", "int3")
+    assert out.returncode == 2 and "quantization is one of nf4, int4, int8, none" in out.stderr
