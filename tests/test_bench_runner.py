@@ -18,11 +18,16 @@ def test_splice_bench(real):
 
 
 def test_decode_step_bench_set_ups_compute_the_same(real):
-    result = _bench("decode_step.py", "--batches", "1,2", "--contexts", "32", "--steps", "2", "--repeats", "1")
-    assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 32), (2, 32)]
+    """The HF modules and the graph (eager: no compile in CI) pick the same tokens; every row is
+    measured below its bandwidth bound."""
+    result = _bench("decode_step.py", "--batches", "1,2", "--contexts", "32", "--steps", "2",
+                    "--setups", "int8 hf,int8 graph")
+    assert [(r["setup"], r["batch"], r["context"]) for r in result["rows"]] == [
+        ("int8 hf", 1, 32), ("int8 graph", 1, 32), ("int8 hf", 2, 32), ("int8 graph", 2, 32)]
+    assert result["bandwidth_gbs"] > 0
     for r in result["rows"]:
-        assert r["identical_cache"] and r["same_argmax_packed"], r
-        assert all(r[k] > 0 for k in ("dynamic_ms", "buffered_ms", "packed_ms")), r
+        assert r["same_tokens"], r
+        assert r["ms"] > 0 and 0 < r["pct_of_bound"] <= 100 and r["weight_mib"] > 0, r
 
 
 def test_chaos_bench_serves_every_request_and_records_every_fault(real):
