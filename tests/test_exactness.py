@@ -390,6 +390,33 @@ def test_a_lone_prompt_is_prefilled_with_the_batch_and_becomes_the_cached_prefix
     torch.testing.assert_close(logits[2], want, atol=1e-4, rtol=1e-4)
 
 
+def test_the_cached_prefix_is_at_most_shared_prefix_tokens_of_a_prompt(monkeypatch):
+    """The cached prefix is a copy beside the rows' KV, so the runner keeps at most
+    ``SHARED_PREFIX_TOKENS`` of a lone prompt (and of prompts joining together): a follow-up is
+    seeded with that much and prefills the rest, and still computes what a fresh prefill does."""
+    from rig_decode.engine import runner_hf
+
+    from .helpers import tiny_model
+
+    monkeypatch.setattr(runner_hf, "SHARED_PREFIX_TOKENS", 20)
+    model = tiny_model(600)
+    gen = torch.Generator().manual_seed(14)
+    first, second, third = (torch.randint(3, 600, (n,), generator=gen).tolist() for n in (40, 5, 5))
+    runner = runner_hf.HFModelRunner(model, pad_id=0)
+    runner.prefill([first])
+    assert runner._prefix[0] == first[:20]
+    follow = first + [7, 8, 9]
+    rest = runner.add_rows([follow])
+    assert rest == [follow[20:]]  # seeded with the 20 tokens kept
+    logits = runner.step([[4], rest[0]])
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([follow])).logits[0, -1].float()
+    torch.testing.assert_close(logits[1], want, atol=1e-4, rtol=1e-4)
+    runner.reset(0)
+    runner.add_rows([first + second, first + third])  # a shared start computed once: capped too
+    assert runner._prefix[0] == first[:20]
+
+
 def test_random_joins_steps_evictions_and_leaves_keep_every_row_exact():
     """A seeded random schedule of what the engine does to the runner (``helpers.random_schedule``):
     on a one-layer model every fed row's logits equal a fresh forward of its kept tokens, and the

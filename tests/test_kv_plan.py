@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from rig_decode.engine.kv import (FAISS_GPU_SCRATCH, GiB, MiB, NF4_BITS, OUTSIDE_TORCH, buffer_columns,
-                                  kv_bytes_per_token_of, parse_bytes, plan_memory, prefill_activation_bytes,
-                                  resolve_architecture)
+from rig_decode.engine.kv import (FAISS_GPU_SCRATCH, GiB, MiB, NF4_BITS, OUTSIDE_TORCH, SHARED_PREFIX_TOKENS,
+                                  buffer_columns, kv_bytes_per_token_of, parse_bytes, plan_memory,
+                                  prefill_activation_bytes, resolve_architecture)
 
 # Qwen2.5-32B: hidden 5120, MLP 27648, 64 layers, 40 query heads and 8 KV heads of 128.
 H, INTER, LAYERS, Q, KV, VOCAB = 5120, 27648, 64, 40 * 128, 8 * 128, 152064
@@ -40,8 +40,9 @@ def test_int4_is_4_25_bits_with_the_lm_head_and_int8_quantizes_the_head():
 def test_qwen32b_int4_8k_and_a_1m_index_fit_24gib_by_a_margin_of_the_card_less_every_part():
     plan = plan_memory("qwen2.5-32b", parse_bytes("24GiB"), "int4", context=8192, **INDEX_1M)
     parts = [plan.weights_bytes, plan.kv_bytes, plan.activation_bytes, plan.graph_pool_bytes, plan.index_bytes,
-             plan.index_scratch_bytes, plan.outside_torch_bytes]
+             plan.index_scratch_bytes, plan.outside_torch_bytes, plan.prefix_bytes]
     assert plan.fits and plan.margin_bytes == 24 * GiB - sum(parts) > 0.25 * GiB
+    assert plan.prefix_bytes == SHARED_PREFIX_TOKENS * 256 * 1024  # the runner's cap, not the 8k prompt
     assert plan.kv_bytes == 8192 * 256 * 1024 and plan.index_bytes == 1_000_000 * 384 * 4
     assert plan.index_scratch_bytes == FAISS_GPU_SCRATCH and plan.outside_torch_bytes == OUTSIDE_TORCH
     assert 0 < plan.activation_bytes < 0.5 * GiB and 0 < plan.graph_pool_bytes < 0.5 * GiB

@@ -14,6 +14,8 @@ The plan counts what a card holds while serving, each as a line of ``rig plan``:
   (``prefill_activation_bytes``): one layer's transients at a time, so it does not grow with the
   layers, and bounded by the chunk except for the attention's keys and values, which grow with the
   context.
+* shared prefix - the runner's copy of the longest prompt start it may share with later prompts
+  (a system prompt, an earlier turn): at most ``SHARED_PREFIX_TOKENS`` tokens of KV.
 * decode graph pool - what a compiled decode step replayed as a CUDA graph keeps in its pool: the
   step's activations at the planned rows and columns (``decode_graph_bytes``).
 * index - the retrieval index's vectors on the card (float32, flat) and FAISS's GPU scratch.
@@ -38,6 +40,7 @@ QUANTIZATIONS = ("nf4", "int4", "int8", "none")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 OUTSIDE_TORCH = int(0.7 * GiB)  # CUDA context + kernel images: 0.686 GiB on an H200 (bench/gpu.py)
 FAISS_GPU_SCRATCH = int(1.5 * GiB)  # StandardGpuResources' temporary memory on a card over 8 GiB
+SHARED_PREFIX_TOKENS = 1024  # the runner keeps at most this much of a prompt's start as a shared prefix
 KV_HEADROOM, KV_MIN_SPARE = 0.25, 64  # a KV buffer's spare columns (models.kv_buffers.BufferedLayer)
 
 # One prefill forward's transients, in [tokens x width] tensors of the compute dtype: counted from
@@ -222,6 +225,7 @@ class MemoryPlan:
     index_bytes: int
     index_scratch_bytes: int
     outside_torch_bytes: int
+    prefix_bytes: int
     kv_bytes_per_token: int
     sequences: int
     context_tokens: int
@@ -237,7 +241,7 @@ class MemoryPlan:
     def fixed_bytes(self) -> int:
         """Everything but the KV."""
         return (self.weights_bytes + self.activation_bytes + self.graph_pool_bytes + self.index_bytes
-                + self.index_scratch_bytes + self.outside_torch_bytes)
+                + self.index_scratch_bytes + self.outside_torch_bytes + self.prefix_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -273,6 +277,8 @@ class MemoryPlan:
                                         f"({self.kv_dtype})"),
             ("prefill activations", self.activation_bytes,
              f"{f'chunks of {chunk} tokens' if chunk else 'one forward'} at {ctx:,} context, one layer at a time"),
+            ("shared prefix", self.prefix_bytes, f"the runner's copy of a prompt's start (at most "
+                                                 f"{SHARED_PREFIX_TOKENS:,} tokens)"),
             ("decode graph pool", self.graph_pool_bytes, f"CUDA graph of the decode step: {seqs} row(s) x "
                                                          f"{buffer_columns(ctx):,} KV columns"),
             ("index", self.index_bytes, index),
@@ -316,6 +322,7 @@ def plan_memory(model: str, gpu_mem: int | str = 24 * GiB, quantization: str = "
         name, quantization, dtype, kv_dtype, size(gpu_mem), weights_bytes(arch, quantization, dtype),
         prefill_activation_bytes(arch, min(chunk or context, context), context, dtype, quantization, sequences),
         decode_graph_bytes(arch, sequences, buffer_columns(context), dtype), index, scratch, size(outside_torch),
+        min(context, SHARED_PREFIX_TOKENS) * arch.kv_bytes_per_token(kv_dtype),
         arch.kv_bytes_per_token(kv_dtype), sequences, context, chunk, index_vectors, index_dim)
 
 

@@ -65,6 +65,7 @@ from ..models.cache_arg import cache_kw
 from ..models.decode_graph import DecodeGraph, decode_step_for
 from ..models.kv_buffers import new_cache
 from ..models.packed_attention import PACKED_ATTENTION, attention_implementation, packed_plan
+from .kv import SHARED_PREFIX_TOKENS
 from .kv_surgery import KVSurgery, ProbeDone, stop_after
 from .row_cache import RowCache
 
@@ -76,9 +77,8 @@ class HFModelRunner:
                  decode_step: str = "hf"):
         """``max_slots``: token slots (rows x columns) the cache's buffers may hold, spare room
         included (the engine's KV budget; ``BufferedLayer`` says how it bounds them); None: no
-        bound. ``prefill_chunk``: tokens one forward takes at most; None: no bound.
-        ``decode_step``: ``hf`` (the HF modules), ``graph`` or ``compiled`` (``DecodeGraph``), or
-        ``auto`` (``decode_step_for``)."""
+        bound. ``prefill_chunk``: tokens one forward takes at most; None: no bound. ``decode_step``:
+        ``hf`` (the HF modules), ``graph`` or ``compiled`` (``DecodeGraph``), ``auto`` (``decode_step_for``)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 (or None), got {prefill_chunk}")
         self.model, self.pad_id, self.prefill_chunk = model, pad_id, prefill_chunk
@@ -131,12 +131,13 @@ class HFModelRunner:
         # Several prompts: the part they all share becomes the cached prefix, computed once (only what
         # the cache does not hold yet). A lone prompt is prefilled in the step, with the other rows;
         # its KV then becomes the cached prefix (``_capture_prefix``), e.g. for the next turn.
+        # The cached prefix is a copy beside the rows' KV: at most SHARED_PREFIX_TOKENS (kv.py) of it.
         if len(prompts) > 1:
-            shared = common_prefix(prompts)[: min(len(p) for p in prompts) - 1]
+            shared = common_prefix(prompts)[: min(min(len(p) for p in prompts) - 1, SHARED_PREFIX_TOKENS)]
             if len(shared) >= self.MIN_SHARED_PREFIX and len(shared) > self._cached(shared):
                 self._compute_prefix(shared)
-        elif len(prompts[0]) >= self.MIN_SHARED_PREFIX and len(prompts[0]) > self._cached(prompts[0]):
-            self._capture[self.batch_size] = list(prompts[0])
+        elif len(ids := prompts[0][:SHARED_PREFIX_TOKENS]) >= self.MIN_SHARED_PREFIX and len(ids) > self._cached(ids):
+            self._capture[self.batch_size] = list(ids)
         seeds = [min(self._cached(p), len(p) - 1) for p in prompts]  # every row feeds >= 1 token
         seeds = [n if n >= self.MIN_SHARED_PREFIX else 0 for n in seeds]
         first, width = self.batch_size, max(seeds)
