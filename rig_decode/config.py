@@ -52,9 +52,8 @@ class ModelConfig(_Section):
 class RerankerConfig(_Section):
     type: Literal["auto", "links", "none", "cross-encoder", "flashrank"] = "auto"
     """``auto``: the shipped default, ``links`` (no model: the best hit, then the candidates whose
-    title it names); ``cross-encoder``: an ONNX cross-encoder in ``model_dir``
-    (``scripts/train_reranker.py`` writes one); ``flashrank``: ``model`` in flashrank's layout
-    under ``model_dir``; ``none``: fusion order."""
+    title it names); ``cross-encoder``: an ONNX cross-encoder in ``model_dir`` (as written by
+    ``scripts/train_reranker.py``); ``flashrank``: ``model`` under ``model_dir``; ``none``: fusion order."""
     model: str = "ms-marco-TinyBERT-L-2-v2"
     """The flashrank model's name (``type: flashrank`` only)."""
     model_dir: str | None = None
@@ -280,15 +279,42 @@ class EngineConfig(_Section):
         return self
 
 
+class ApiKeyConfig(_Section):
+    """A client's key (or ``key_env``, the variable holding it), named for ``/metrics``, optionally
+    holding its searches to a ``namespace`` and ``filters`` (over ``retriever.filters``)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    key: str | None = Field(None, min_length=8)
+    key_env: str | None = Field(None, min_length=1)
+    namespace: str | None = None
+    filters: dict[str, Any] = Field(default_factory=dict)
+
+
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = None
-    """When set, every /v1 request needs ``Authorization: Bearer <api_key>``."""
+    """When set, /v1 requests need ``Authorization: Bearer <api_key>`` (the key named ``default``)."""
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    """A conversation id is visible only to the key that created it."""
     max_concurrency: int = Field(64, ge=1)
-    """Requests in flight at once (decoding or queued for a batch slot); more get a 429."""
+    """Requests in flight (building their prompt, queued for a batch slot, decoding); more get 429."""
     model_name: str | None = None
     """The model id clients use (default: ``model.name``)."""
+    max_request_bytes: int = Field(4 * 2**20, ge=1024)
+    """Request bodies past this get a 413 before they are read whole."""
+    max_prompt_chars: int | None = Field(None, ge=1)
+    """Longer text is refused before tokenising (default: context length x the longest token)."""
+
+    @model_validator(mode="after")
+    def _keys(self):
+        names = [k.name for k in self.api_keys] + ["default"] * bool(self.api_key)
+        if len(set(names)) < len(names):
+            raise ValueError("api_keys: every key needs its own name (api_key is named 'default')")
+        for k in self.api_keys:
+            if (k.key is None) == (k.key_env is None):
+                raise ValueError(f"api_keys {k.name!r}: give exactly one of key, key_env")
+        return self
 
 
 class RigConfig(_Section):
@@ -311,8 +337,7 @@ class RigConfig(_Section):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> "RigConfig":
-        if data is None:
-            data = {}
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
         try:
@@ -334,18 +359,16 @@ class RigConfig(_Section):
         return cls.from_dict(data, source=str(path))
 
     def served_model(self) -> ModelConfig:
-        """``model`` as the backend runs it. A remote server loads its own weights, so there
-        ``adapter: auto`` means none (an adapter folder named explicitly still gives the tokenizer and
-        prompt, for a model with the adapter merged in). vLLM serves the adapter merged into a
-        checkpoint of its own (``models/merged.py``), so it keeps ``model`` as it is."""
+        """``model`` as the backend runs it. A remote server loads its own weights: ``adapter: auto``
+        means none there (a folder named still gives tokenizer and prompt, for a merged model). vLLM
+        serves the adapter merged into a checkpoint of its own (``models/merged.py``)."""
         if self.engine.backend == "remote" and self.model.adapter == "auto":
             return self.model.model_copy(update={"adapter": None})
         return self.model
 
     def system_prompt(self) -> str | None:
-        """``rig.system_prompt`` if set, else the prompt the model's adapter was trained with, else
-        None (the built-in instruction that teaches the marker syntax). With ``rig.citations`` a
-        prompt asks for ``[n]`` citations (``prompt.CITE_INSTRUCTION``)."""
+        """``rig.system_prompt``, else the prompt the model's adapter was trained with, else None (the
+        built-in marker instruction); with ``rig.citations``, asking for ``[n]`` citations."""
         from .prompt import with_cite_instruction
 
         prompt = self.rig.system_prompt

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .prompt import text_ids
 from .retrieval.base import Hit
 
 NO_EVIDENCE = "No evidence available."
@@ -74,7 +75,7 @@ class EvidenceFormatter:
         return len(self._head) + len(self._tail) + len(self._empty)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text_ids(self.tokenizer, text)  # a document's "<|endofretrieve|>" stays text
 
     def render(self, hits: list[Hit], hop: int, budget: int | None = None,
                numbers: list[int] | None = None) -> list[int]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import weakref
+from dataclasses import dataclass
+
 from .markers import MarkerSpec
 
 _RULES = """You answer questions about Helios Gateway and other private company records. You do NOT know these facts yourself: you must look every fact up with the search tool before you state it.
@@ -53,10 +57,74 @@ def system_prompt(spec: MarkerSpec) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _Added:
+    """A tokenizer's added tokens, as prompt building needs them."""
+
+    ids: dict[str, int]
+    """Each added token's text -> its id (the template's delimiters among them)."""
+    control: frozenset[int]
+    """Ids a request's text may never produce: special tokens (chat delimiters, end of text) and
+    added marker tokens, special or not."""
+    splitter: re.Pattern | None
+    """Splits text at added tokens, keeping them."""
+    control_strings: re.Pattern | None
+
+
+_ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _added(tokenizer) -> _Added:
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else 0
+    cached = _ADDED.get(tokenizer)
+    if cached is None or cached[0] != size:  # tokens added since: read them again
+        added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
+        markers = {s for spec in (MarkerSpec.special_token(), MarkerSpec.json()) for s in (*spec.start, *spec.end)}
+        ids = {t.content: i for i, t in added.items()}
+        control = frozenset(i for i, t in added.items() if t.special or t.content in markers)
+        cached = (size, _Added(ids, control, _alternatives(ids, capture=True),
+                               _alternatives([added[i].content for i in control])))
+        _ADDED[tokenizer] = cached
+    return cached[1]
+
+
+def _alternatives(strings, capture: bool = False) -> re.Pattern | None:
+    if not strings:
+        return None
+    body = "|".join(map(re.escape, sorted(strings, key=len, reverse=True)))
+    return re.compile(f"({body})" if capture else body)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as text: a special-token string in it (``<|im_start|>``,
+    ``<|retrieve|>``) is split into ordinary pieces, as OpenAI's API treats it, never one control
+    id. For everything a request or a document brings; what the server writes itself is parsed."""
+    added = _added(tokenizer)
+    ids = _encode(tokenizer, text, split=True)
+    if not added.control.intersection(ids):
+        return ids
+    # an added token kept whole (not special, or a tokenizer without split_special_tokens): cut
+    # each control string one character in, so that no piece holds it whole
+    cuts = [m.start() + 1 for m in added.control_strings.finditer(text)]
+    ids = [i for a, b in zip([0, *cuts], [*cuts, len(text)]) for i in _encode(tokenizer, text[a:b], split=True)]
+    if added.control.intersection(ids):
+        raise ValueError("this tokenizer cannot encode the text without control tokens")
+    return ids
+
+
+_SLOT = "\ue000{}\ue001"
+"""Where a caller's text goes in the rendered template (private-use characters: nothing treats
+them specially); each is replaced by its text, encoded as text."""
+
+
 def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str | None = None,
                  memory: str = "") -> list[int]:
     """Token ids of the chat prompt, ending where the assistant's reply starts; ``memory`` (an
-    evidence memory's block) is appended to the system message."""
+    evidence memory's block) is appended to the system message.
+
+    Special tokens come only from the chat template and ``system`` (the server's own prompt, whose
+    example markers are real markers): every message's content, a system message among them, and
+    ``memory`` are encoded as text (``text_ids``)."""
     if isinstance(question_or_messages, str):
         if not question_or_messages.strip():
             raise ValueError("empty question")
@@ -65,13 +133,53 @@ def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str 
         messages = list(question_or_messages)
         if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    texts: list[str] = []
+
+    def slot(text) -> str:
+        texts.append("" if text is None else str(text))
+        return _SLOT.format(len(texts) - 1)
+
+    messages = [{**m, "content": slot(m["content"])} for m in messages]
     if messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system or system_prompt(spec)}, *messages]
     if memory:
-        messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{memory}"}, *messages[1:]]
+        messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{slot(memory)}"}, *messages[1:]]
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return list(ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return tokenizer.encode(text, add_special_tokens=False)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        rendered = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return _encode_rendered(tokenizer, rendered, texts)
+
+
+def _encode_rendered(tokenizer, rendered: str, texts: list[str]) -> list[int]:
+    """The template's text parsed as the tokenizer parses it (its added tokens as their ids), each
+    slot's text as text. Between two added tokens the text is encoded in one piece, as the tokenizer
+    itself would, so a prompt without special strings in its texts gets the ids it always had."""
+    added = _added(tokenizer)
+    slot_re = re.compile(_SLOT.format("(\\d+)"))
+    ids: list[int] = []
+    for k, part in enumerate(added.splitter.split(rendered) if added.splitter else [rendered]):
+        if k % 2:  # an added token the template wrote
+            ids.append(added.ids[part])
+        elif part:
+            ids += _encode_region(tokenizer, slot_re.split(part), texts)
+    return ids
+
+
+def _encode_region(tokenizer, pieces: list[str], texts: list[str]) -> list[int]:
+    """``pieces``: template text, slot number, template text, ... with no added token among them."""
+    whole = "".join(texts[int(p)] if k % 2 else p for k, p in enumerate(pieces))
+    ids = _encode(tokenizer, whole, split=True)
+    if not _added(tokenizer).control.intersection(ids):
+        return ids
+    return [i for k, p in enumerate(pieces) for i in (text_ids(tokenizer, texts[int(p)]) if k % 2
+                                                         else _encode(tokenizer, p, split=True))]
+
+
+def _encode(tokenizer, text: str, split: bool) -> list[int]:
+    if not text:
+        return []
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split))
+    except TypeError:  # a tokenizer without the option: text_ids's control check does the splitting
+        return list(tokenizer.encode(text, add_special_tokens=False))

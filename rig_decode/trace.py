@@ -56,6 +56,9 @@ class Trace:
     """Tokens the model produced (sampled, plus end markers forced at the query cap)."""
     evidence_tokens: int = 0
     marker_tokens: int = 0
+    prompt_marker_tokens: int = 0
+    """Marker delimiter tokens in a token-id prompt: the client's own (they start no hop). A text
+    prompt has none: its marker strings are encoded as text."""
     ttft_ms: float = 0.0
     decode_ms: float = 0.0
     retrieval_ms: float = 0.0

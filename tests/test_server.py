@@ -206,7 +206,7 @@ def test_metrics(base, client):
                  "rig_splice_latency_seconds_bucket", "rig_queue_depth", "rig_parked_sequences",
                  "rig_running_sequences"):
         assert name in text, name
-    assert 'rig_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert 'rig_requests_total{endpoint="/v1/chat/completions",key="anonymous",status="200"}' in text
 
 
 def test_playground_page_is_served(base):
@@ -230,8 +230,8 @@ def test_an_engine_failure_is_a_500_and_the_server_recovers(model, tok, monkeypa
         ok = _post(base, "/v1/chat/completions", {"model": "tiny", "messages": MSG})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER
         metrics = httpx.get(base + "/metrics").text  # each request counted once, under its status
-        assert 'rig_requests_total{endpoint="/v1/chat/completions",status="500"} 1.0' in metrics
-        assert 'rig_requests_total{endpoint="/v1/chat/completions",status="200"} 2.0' in metrics  # stream + ok
+        assert 'rig_requests_total{endpoint="/v1/chat/completions",key="anonymous",status="500"} 1.0' in metrics
+        assert 'rig_requests_total{endpoint="/v1/chat/completions",key="anonymous",status="200"} 2.0' in metrics  # stream + ok
 
 
 def test_conversation_memory_across_requests(client):

@@ -130,10 +130,11 @@ class RigEngine:
                      max_new_tokens: int | None = None, max_iterations: int | None = None,
                      top_k: int | None = None, temperature: float | None = None, top_p: float | None = None,
                      seed: int | None = None, memory: EvidenceMemory | None = None, stop: list[str] | None = None,
-                     raw: bool = False) -> Sequence:
+                     raw: bool = False, filters: dict | None = None) -> Sequence:
         """A request's sequence; the keyword arguments override the engine's options for it alone.
         ``stop``: strings that end the answer (not part of it); ``raw``: the answer is the whole
-        completion as the model saw it (markers and evidence included) instead of the visible text."""
+        completion as the model saw it (markers and evidence included) instead of the visible text;
+        ``filters``: metadata filters of its searches, over the retriever's own."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         limit = self.runner.context_limit
@@ -152,7 +153,8 @@ class RigEngine:
         seq = Sequence(seq_id, list(prompt_ids), MarkerMatcher(self.vocab),
                        self.opts.max_new_tokens if max_new_tokens is None else max_new_tokens, gen,
                        max_iterations=max_iterations, top_k=top_k, temperature=temperature, top_p=top_p,
-                       memory=memory, answer=TextDeltas(self.vocab, self.stop_ids, raw=raw, stop=stop))
+                       memory=memory, filters=filters or None,
+                       answer=TextDeltas(self.vocab, self.stop_ids, raw=raw, stop=stop))
         seq.trace.question = question
         if memory is not None:
             seq.trace.memory_docs = list(memory.in_prompt())

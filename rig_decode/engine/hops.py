@@ -89,7 +89,7 @@ class HopHandler:
                 if reuse is not None:  # answered from documents already in context: no search
                     self.serve(batch, s, [], None, now, reuse=reuse)
                 elif s.query:
-                    s.ticket = self.worker.submit(s.seq_id, s.query, s.top_k)
+                    s.ticket = self.worker.submit(s.seq_id, s.query, s.top_k, s.filters)
                 else:
                     self.serve(batch, s, [], "empty query", now)
             except Exception as e:  # noqa: BLE001 - this row's hop fails alone

@@ -22,6 +22,7 @@ Faults stay in the batch they hit:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class Job:
     seq_id: int
     query: str
     top_k: int
+    filters: dict | None = None
+    """Metadata filters of this query's search (its API key's namespace), over the retriever's own."""
 
     def failed(self, error: str, ms: float, batch_size: int, attempts: int = 1) -> RetrievalResult:
         return RetrievalResult(self.ticket, self.seq_id, [], error, ms, batch_size, attempts)
@@ -85,13 +88,14 @@ class RetrievalWorker:
 
     # -- the engine's side --------------------------------------------------------------------------
 
-    def submit(self, seq_id: int, query: str, top_k: int | None = None) -> int:
-        """Queue a query (``top_k``: this one's result count, default the worker's). It is searched
-        from the next ``flush`` (or ``poll``/``wait``) on, with every query submitted before it:
-        one step's queries go to the retriever in one call."""
+    def submit(self, seq_id: int, query: str, top_k: int | None = None, filters: dict | None = None) -> int:
+        """Queue a query (``top_k``: this one's result count, default the worker's; ``filters``: its
+        search's metadata filters). It is searched from the next ``flush`` (or ``poll``/``wait``) on,
+        with every query submitted before it: one step's queries go to the retriever in one call
+        (one per distinct ``filters``)."""
         with self._cond:
             self._next_ticket += 1
-            job = Job(self._next_ticket, seq_id, query, top_k or self.top_k)
+            job = Job(self._next_ticket, seq_id, query, top_k or self.top_k, filters or None)
             refusal = "no retriever configured" if self.retriever is None else self._degraded_reason()
             if refusal:  # answered now: the hop gets its no-evidence block without a wait
                 self._done.append(job.failed(refusal, 0.0, 0, 0))
@@ -200,14 +204,22 @@ class RetrievalWorker:
                 self._cond.notify_all()
 
     def _search(self, me: _Lane, batch: list[Job]) -> list[RetrievalResult]:
-        """One search for the whole batch, at its largest ``top_k``; each query keeps its own."""
+        """One search per distinct ``filters`` (one in all unless API keys bind namespaces)."""
+        groups: dict[str, list[Job]] = {}
+        for job in batch:
+            groups.setdefault(json.dumps(job.filters, sort_keys=True, default=str), []).append(job)
+        return [result for jobs in groups.values() for result in self._search_together(me, jobs)]
+
+    def _search_together(self, me: _Lane, batch: list[Job]) -> list[RetrievalResult]:
+        """One search for these queries, at their largest ``top_k``; each query keeps its own."""
         t0 = time.perf_counter()
-        queries = [job.query for job in batch]
+        queries, filters = [job.query for job in batch], batch[0].filters
+        extra = (filters,) if filters else ()
         checked, error, attempts = None, None, 0
         while attempts <= self.retries and self._lane is me:
             attempts += 1
             try:
-                raw = self.retriever.search_batch(queries, max(job.top_k for job in batch))
+                raw = self.retriever.search_batch(queries, max(job.top_k for job in batch), *extra)
                 checked, error = check_results(raw, len(queries)), None
                 break
             except BaseException as e:  # noqa: BLE001 - whatever a retriever raises becomes a recorded hop

@@ -81,6 +81,8 @@ class Sequence:
     top_k: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    filters: dict | None = None
+    """Metadata filters of this request's searches (its API key's namespace), over the retriever's own."""
     memory: EvidenceMemory | None = None
     """The conversation's evidence memory (documents its prompt carries, earlier queries)."""
     evidence_spans: list[tuple[int, int]] = field(default_factory=list)

@@ -34,10 +34,11 @@ from ..engine.async_engine import AsyncRigEngine, FinishEvent, HopEvent, Request
 from ..engine.engine import RigEngine
 from ..markers import MarkerSpec
 from ..memory import EvidenceMemory
-from ..prompt import build_prompt
-from ..trace import RetrievalStep, Trace
+from ..trace import RetrievalStep
+from .intake import ApiError, Keys, Prompts, Tenant, limited_receive
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
+from .schemas import (ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body, hop_json, rig_json,
+                      usage_json)
 
 # The engine's finish reasons, in OpenAI's vocabulary (the exact one is in ``rig.finish_reason``).
 _FINISH = {"stop": "stop", "length": "length", "context_full": "length", "deadline": "length",
@@ -53,88 +54,42 @@ class Update:
     finish: str | None = None
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers
-
-
-def hop_json(step: RetrievalStep) -> dict:
-    return {"round": step.round, "query": step.query,
-            "docs": [{"id": d.id, "title": d.title, "score": round(d.score, 4), "source": d.source}
-                     for d in step.docs],
-            "latency_ms": round(step.latency_ms, 1), "splice_ms": round(step.splice_ms, 1),
-            "evidence_tokens": step.evidence_tokens, "batch_size": step.batch_size,
-            "fallback": step.fallback, "error": step.error, "info": step.info}
-
-
-def rig_json(trace: Trace) -> dict:
-    """The ``rig`` extension object (a finished request's trace: citations checked by the engine)."""
-    timings = {k: round(getattr(trace, k), 1) for k in
-               ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
-    return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
-            "evidence_tokens": trace.evidence_tokens, "finish_reason": trace.finish_reason,
-            "marker_errors": list(trace.marker_errors), "engine_errors": list(trace.engine_errors),
-            "timings": timings, "gate": list(trace.gate),
-            "citations": list(trace.citations)}
-
-
-def usage_json(trace: Trace) -> dict:
-    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.generated_tokens,
-            "total_tokens": trace.prompt_tokens + trace.generated_tokens}
-
-
 class Server:
-    """The state behind the routes: one engine, its async front, the metrics."""
+    """The state behind the routes: one engine, its async front, the metrics, the keys."""
 
     def __init__(self, config: RigConfig, engine: RigEngine):
         self.config, self.engine = config, engine
         self.metrics = Metrics(engine)
         self.front = AsyncRigEngine(engine)
         self.model_id = config.server.model_name or Path(config.model.name).name
-        self.spec = MarkerSpec.from_style(config.rig.marker_style)
-        self.system = config.system_prompt()
+        self.keys = Keys(config.server)
+        self.prompts = Prompts(engine, config.server, MarkerSpec.from_style(config.rig.marker_style),
+                               config.system_prompt())
         self.created = int(time.time())
-        self.memories: OrderedDict[str, EvidenceMemory] = OrderedDict()
+        self.memories: OrderedDict[tuple[str, str], EvidenceMemory] = OrderedDict()
+        self.preparing = 0
+        """Requests whose prompt is being built (they count toward ``max_concurrency``)."""
 
     MAX_CONVERSATIONS = 1024
 
-    def memory(self, conversation_id: str | None) -> EvidenceMemory | None:
-        """The conversation's evidence memory (the least recently used ones are forgotten)."""
+    def memory(self, tenant: Tenant, conversation_id: str | None) -> EvidenceMemory | None:
+        """The conversation's evidence memory, the key's own: another key's same id is another
+        conversation (the least recently used ones are forgotten)."""
         if conversation_id is None:
             return None
-        memory = self.memories.pop(conversation_id, None) or EvidenceMemory()
-        self.memories[conversation_id] = memory
+        key = (tenant.name, conversation_id)
+        memory = self.memories.pop(key, None) or EvidenceMemory()
+        self.memories[key] = memory
         while len(self.memories) > self.MAX_CONVERSATIONS:
             self.memories.popitem(last=False)
         return memory
 
     # -- requests -> sequences ---------------------------------------------------------------------
 
-    def check_auth(self, request: Request) -> None:
-        key = self.config.server.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                           "authentication_error", "invalid_api_key")
-
-    def prompt_ids(self, req: GenerationRequest, memory: EvidenceMemory | None = None) -> list[int]:
-        tok = self.engine.tokenizer
-        if isinstance(req, ChatCompletionRequest):
-            try:
-                messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                            for m in req.messages]
-                return build_prompt(tok, messages, self.spec, self.system,
-                                    memory.prompt_text() if memory else "")
-            except Exception as e:  # noqa: BLE001 - e.g. the chat template rejects the role order
-                raise ApiError(400, f"cannot build the prompt from these messages: {e}", param="messages") from None
-        if not req.prompt:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        if req.rig.conversation_id is not None:
-            raise ApiError(400, "rig.conversation_id needs /v1/chat/completions (a completion prompt has no place "
-                                "for the conversation's evidence)", param="rig.conversation_id")
-        return tok.encode(req.prompt, add_special_tokens=False)
+    def check_auth(self, request: Request) -> Tenant:
+        tenant = self.keys.authenticate(request.headers.get("authorization", ""))
+        request.state.key = tenant.name
+        return tenant
 
     def count_finished(self) -> None:
         """Metrics for the requests the engine finished since the last call (done at every submit
@@ -142,17 +97,27 @@ class Server:
         for seq in self.front.take_finished():
             self.metrics.observe(seq.trace)
 
-    def submit(self, req: GenerationRequest) -> RequestHandle:
+    async def submit(self, req: GenerationRequest, tenant: Tenant) -> RequestHandle:
         self.count_finished()
         if req.model != self.model_id:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
                            code="model_not_found", param="model")
-        if self.front.num_active >= self.config.server.max_concurrency:
-            raise ApiError(429, f"server busy: {self.front.num_active} requests in flight "
+        in_flight = self.front.num_active + self.preparing
+        if in_flight >= self.config.server.max_concurrency:
+            raise ApiError(429, f"server busy: {in_flight} requests in flight "
                                 f"(server.max_concurrency = {self.config.server.max_concurrency}); retry later",
                            "rate_limit_error", "overloaded", headers={"Retry-After": "1"})
-        memory = self.memory(req.rig.conversation_id)
-        ids = self.prompt_ids(req, memory)
+        if isinstance(req, CompletionRequest) and req.rig.conversation_id is not None:
+            raise ApiError(400, "rig.conversation_id needs /v1/chat/completions (a completion prompt has no place "
+                                "for the conversation's evidence)", param="rig.conversation_id")
+        self.prompts.check_size(req)
+        memory = self.memory(tenant, req.rig.conversation_id)
+        self.preparing += 1
+        try:
+            prompt = await self.prompts.build(req, memory.prompt_text() if memory else "")
+        finally:
+            self.preparing -= 1
+        ids = prompt.ids
         limit = self.engine.runner.context_limit
         max_new = req.token_limit or self.config.model.max_tokens
         if len(ids) + max_new > limit:
@@ -163,12 +128,14 @@ class Server:
             max_new = limit - len(ids)
         hops = 0 if not req.rig.retrieval else req.rig.max_iterations
         try:
-            return self.front.submit(ids, question=_question(req), max_new_tokens=max_new,
-                                     max_iterations=hops, top_k=req.rig.top_k, temperature=req.temperature,
-                                     top_p=req.top_p, seed=req.seed, memory=memory, stop=req.stop,
-                                     raw=req.rig.show_evidence)
+            handle = self.front.submit(ids, question=prompt.question, max_new_tokens=max_new,
+                                       max_iterations=hops, top_k=req.rig.top_k, temperature=req.temperature,
+                                       top_p=req.top_p, seed=req.seed, memory=memory, stop=req.stop,
+                                       raw=req.rig.show_evidence, filters=tenant.filters)
         except ValueError as e:  # prompt too long for the context or the KV budget
             raise ApiError(400, str(e), code="context_length_exceeded") from None
+        handle.seq.trace.prompt_marker_tokens = prompt.marker_tokens
+        return handle
 
     # -- events -> OpenAI JSON ---------------------------------------------------------------------
 
@@ -196,13 +163,7 @@ class Server:
 
     def close(self) -> None:
         self.front.close()
-
-
-def _question(req: GenerationRequest) -> str:
-    if isinstance(req, ChatCompletionRequest):
-        users = [m for m in req.messages if m.role == "user"]
-        return users[-1].text() if users else ""
-    return req.prompt
+        self.prompts.close()
 
 
 def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = None) -> FastAPI:
@@ -221,18 +182,20 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
 
     app = FastAPI(title="rig_decode", lifespan=lifespan)
     app.state.rig = server
+    app.add_middleware(_BodyLimit, limit=config.server.max_request_bytes, on_refused=lambda scope: server.metrics
+                       .requests.labels(_route(scope["path"]), "413", "none").inc())
 
     def error(status: int, message: str, type_: str, code=None, param=None, headers=None) -> JSONResponse:
         return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        server.metrics.requests.labels(_endpoint(request), str(e.status)).inc()
+        server.metrics.requests.labels(_endpoint(request), str(e.status), _key(request)).inc()
         return error(e.status, e.message, e.type, e.code, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        server.metrics.requests.labels(_endpoint(request), "400").inc()
+        server.metrics.requests.labels(_endpoint(request), "400", _key(request)).inc()
         errors = e.errors()
         if errors and errors[0].get("type") == "json_invalid":
             why = (errors[0].get("ctx") or {}).get("error", "JSON decode error")
@@ -282,8 +245,8 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
         return _model_card(server)
 
     async def handle(req: GenerationRequest, request: Request, chat: bool):
-        server.check_auth(request)
-        handle = server.submit(req)  # errors surface here, before the response starts
+        tenant = server.check_auth(request)
+        handle = await server.submit(req, tenant)  # errors surface here, before the response starts
         seq = handle.seq
         kind = "chat.completion" if chat else "text_completion"
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
@@ -322,7 +285,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
                         yield _sse({**obj, "choices": [choice(up.text, None)]})
                 yield "data: [DONE]\n\n"
 
-            server.metrics.requests.labels(_endpoint(request), "200").inc()
+            server.metrics.requests.labels(_endpoint(request), "200", _key(request)).inc()
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -336,7 +299,7 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
             watcher.cancel()
         if seq.finish_reason == "error":
             raise ApiError(500, _engine_error(seq), "server_error", "engine_error")
-        server.metrics.requests.labels(_endpoint(request), "200").inc()
+        server.metrics.requests.labels(_endpoint(request), "200", _key(request)).inc()
         content = "".join(parts)
         if chat:
             out = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish,
@@ -357,6 +320,20 @@ def create_app(config: RigConfig | None = None, *, engine: RigEngine | None = No
     return app
 
 
+class _BodyLimit:
+    """ASGI middleware: requests reach the app only with a body within ``limit`` (``limited_receive``)."""
+
+    def __init__(self, app, limit: int, on_refused=None):
+        self.app, self.limit, self.on_refused = app, limit, on_refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            receive = await limited_receive(scope, receive, send, self.limit, self.on_refused)
+            if receive is None:  # refused with a 413, or the client went away
+                return
+        await self.app(scope, receive, send)
+
+
 async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
     while not handle.seq.is_finished:
         await asyncio.sleep(0.25)
@@ -369,11 +346,19 @@ _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
 def _endpoint(request: Request) -> str:
+    return _route(request.url.path)
+
+
+def _route(path: str) -> str:
     """The metrics label of a request: its route, never the raw path (bounded label values)."""
-    path = request.url.path
     if path in _ENDPOINTS:
         return path
     return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+
+
+def _key(request: Request) -> str:
+    """The metrics label of a request's API key: its name (``none`` before or without a valid key)."""
+    return getattr(request.state, "key", "none")
 
 
 def _engine_error(seq) -> str:

@@ -14,8 +14,8 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 class Metrics:
     def __init__(self, engine: RigEngine):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("rig_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
-                                registry=r)
+        self.requests = Counter("rig_requests", "Requests by endpoint, HTTP status and API key name",
+                                ["endpoint", "status", "key"], registry=r)
         self.tokens = Counter("rig_tokens", "Tokens by kind: prompt, completion (sampled), evidence (spliced)",
                               ["kind"], registry=r)
         self.hops = Counter("rig_hops", "Retrieval hops", registry=r)

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible endpoints, and OpenAI's error schema.
+"""Request bodies of the OpenAI-compatible endpoints, the ``rig`` extension of responses, and
+OpenAI's error schema.
 
 Fields OpenAI clients commonly send that rig_decode does not implement (``user``,
 ``presence_penalty``, ``logit_bias``, ``response_format``, ``tools``...) are accepted and ignored;
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from ..trace import RetrievalStep, Trace
 
 
 class RigOptions(BaseModel):
@@ -41,6 +44,12 @@ class ChatMessage(BaseModel):
                 parts.append(str(p.get("text", "")))
             return "".join(parts)
         return self.content or ""
+
+    def chars(self) -> int:
+        """The content's length in characters (``text`` without building it, nor failing)."""
+        if isinstance(self.content, list):
+            return sum(len(str(p.get("text", ""))) for p in self.content if isinstance(p, dict))
+        return len(self.content or "")
 
 
 class GenerationRequest(BaseModel):
@@ -94,18 +103,48 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    """Text, or token ids (the one way a client passes ids: a chat's content and a text prompt are
+    encoded as text, their special-token strings included). One prompt per request."""
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
-        if isinstance(v, list):
+        if isinstance(v, list) and v and not isinstance(v[0], int):
             if len(v) != 1:
                 raise ValueError("exactly one prompt per request is supported")
             v = v[0]
+        if isinstance(v, list) and (not v or min(v) < 0):
+            raise ValueError("a token-id prompt needs at least one id, none negative")
         return v
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     """OpenAI's error schema."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def hop_json(step: RetrievalStep) -> dict:
+    return {"round": step.round, "query": step.query,
+            "docs": [{"id": d.id, "title": d.title, "score": round(d.score, 4), "source": d.source}
+                     for d in step.docs],
+            "latency_ms": round(step.latency_ms, 1), "splice_ms": round(step.splice_ms, 1),
+            "evidence_tokens": step.evidence_tokens, "batch_size": step.batch_size,
+            "fallback": step.fallback, "error": step.error, "info": step.info}
+
+
+def rig_json(trace: Trace) -> dict:
+    """The ``rig`` extension object (a finished request's trace: citations checked by the engine)."""
+    timings = {k: round(getattr(trace, k), 1) for k in
+               ("queue_ms", "ttft_ms", "decode_ms", "retrieval_ms", "parked_ms", "splice_ms", "total_ms")}
+    return {"hops": [hop_json(s) for s in trace.retrieval_steps], "num_hops": trace.num_hops,
+            "evidence_tokens": trace.evidence_tokens, "prompt_marker_tokens": trace.prompt_marker_tokens,
+            "finish_reason": trace.finish_reason,
+            "marker_errors": list(trace.marker_errors), "engine_errors": list(trace.engine_errors),
+            "timings": timings, "gate": list(trace.gate),
+            "citations": list(trace.citations)}
+
+
+def usage_json(trace: Trace) -> dict:
+    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.generated_tokens,
+            "total_tokens": trace.prompt_tokens + trace.generated_tokens}
