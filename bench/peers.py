@@ -11,7 +11,9 @@ prompt token ids and runs at each ``--concurrency`` (1 and 8). Systems (``--syst
 * ``rig-hf``           rig in process (``engine.backend: hf``): evidence spliced into the KV cache;
 * ``rig-vllm-stream``  rig on vLLM in process, one resumable request per row (``engine.vllm.mode: stream``);
 * ``rig-vllm-prefix``  rig on vLLM, a new request per call, vLLM's prefix cache (``mode: prefix``);
-* ``rig-llama``        rig on llama-server (``engine.backend: remote``; ``--llama-server URL``);
+* ``rig-llama``        rig on llama-server (``engine.backend: remote``; ``--llama-server URL``): one
+                       streamed request per stretch between hops, each row on its own slot;
+* ``rig-llama-lookahead``  the same over requests of 16 tokens (``engine.remote.stream: false``);
 * ``resubmit-vllm``    the string loop Search-R1 and FlashRAG run on vLLM: generate until the stop
                        string ``<|endofretrieve|>`` or EOS, decode the ids to text, parse the query,
                        search, append the evidence text (rig's evidence block, the same text), tokenise
@@ -221,12 +223,13 @@ def main(argv=None) -> int:
                     for n in vllm_names:
                         skipped[n] = f"vLLM engine did not start: {type(e).__name__}: {e}"
 
-    llama_names = [n for n in ("rig-llama", "resubmit-llama") if n in wanted]
+    llama_names = [n for n in ("rig-llama", "rig-llama-lookahead", "resubmit-llama") if n in wanted]
     for n in llama_names:
         if not args.llama_server:
             skipped[n] = "no --llama-server URL"
     if llama_names and args.llama_server:
         from rig_decode.engine.runner_remote import LlamaCppServer, RemoteRunner
+        from rig_decode.engine.runner_stream import StreamingRunner
 
         probe = LlamaCppServer(args.llama_server)
         props = probe.get("/props")
@@ -241,7 +244,11 @@ def main(argv=None) -> int:
             r = rcfg.engine.remote
             erase = erase_llama_slots(args.llama_server)
             if "rig-llama" in llama_names:
-                systems.append(rig_system("rig-llama", lambda c: RemoteRunner(
+                systems.append(rig_system("rig-llama", lambda c: StreamingRunner(
+                    LlamaCppServer(args.llama_server), len(tokenizer), top_logprobs=r.top_logprobs), rcfg,
+                    before=erase))
+            if "rig-llama-lookahead" in llama_names:
+                systems.append(rig_system("rig-llama-lookahead", lambda c: RemoteRunner(
                     LlamaCppServer(args.llama_server), len(tokenizer), lookahead=r.lookahead,
                     top_logprobs=r.top_logprobs, parallel=max(c, r.parallel)), rcfg, before=erase))
             if "resubmit-llama" in llama_names:

@@ -14,7 +14,8 @@ from rig_decode.eval.metrics import contains_answer, percentile
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script (the tests load this file)
 from harness import Table  # noqa: E402
 
-SYSTEMS = ("rig-hf", "rig-vllm-stream", "rig-vllm-prefix", "rig-llama", "resubmit-vllm", "resubmit-llama")
+SYSTEMS = ("rig-hf", "rig-vllm-stream", "rig-vllm-prefix", "rig-llama", "rig-llama-lookahead", "resubmit-vllm",
+           "resubmit-llama")
 """Every system, in the order the report lists them."""
 REFERENCE = "rig-hf"
 
@@ -42,6 +43,8 @@ class RunResult:
     retokenized_hops: int = 0
     """Hops whose re-tokenised prompt differed anywhere from the ids the model had."""
     finish: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """Engine errors of the run's rows (a failed row's reason)."""
 
     @property
     def tok_s(self) -> float:
@@ -85,22 +88,29 @@ def summarize(runs: dict[str, dict[int, RunResult]], gold: list[list[str]] | Non
         if gold is not None:
             s["accuracy"] = round(statistics.mean(contains_answer(a, g) for a, g in zip(low.answers, gold)), 3)
         s["finish"] = {k: low.finish.count(k) for k in sorted(set(low.finish))}
+        errors = [e for c in cs for e in by_c[c].errors]
+        if errors:
+            s["errors"] = errors[:3]
         out[name] = s
     return out
 
 
+PAIRS = {"ratios": ("rig-vllm-stream", "resubmit-vllm"), "ratios_llama": ("rig-llama", "resubmit-llama")}
+"""Result keys of rig's ratios against the resubmit loop, on each engine."""
+
+
 def ratios(summary: dict[str, dict], concurrency: list[int], rig: str = "rig-vllm-stream",
            peer: str = "resubmit-vllm") -> dict:
-    """How many times faster rig is than the resubmit loop: per hop (p50 at each concurrency) and end
-    to end (tokens/s at the highest concurrency)."""
+    """How many times faster rig is than the resubmit loop at each concurrency: per hop (p50) and end
+    to end (tokens/s)."""
     a, b = summary.get(rig) or {}, summary.get(peer) or {}
     out = {}
     for c in concurrency:
         x, y = a.get(f"per_hop_ms_c{c}"), b.get(f"per_hop_ms_c{c}")
         out[f"per_hop_c{c}"] = round(y / x, 2) if x and y else None
-    c = max(concurrency)
-    x, y = a.get(f"tok_s_c{c}"), b.get(f"tok_s_c{c}")
-    out[f"end_to_end_c{c}"] = round(x / y, 2) if x and y else None
+    for c in concurrency:
+        x, y = a.get(f"tok_s_c{c}"), b.get(f"tok_s_c{c}")
+        out[f"end_to_end_c{c}"] = round(x / y, 2) if x and y else None
     return out
 
 
@@ -126,11 +136,12 @@ def print_report(result: dict, out=None) -> None:
         else:
             table.add(name, *(s.get(k) for _, k in cols))
     table.print(out)
-    r = result.get("ratios") or {}
-    if any(v is not None for v in r.values()):
-        per_hop = ", ".join(f"c{c} {_fmt(r.get(f'per_hop_c{c}'))}x" for c in cs)
-        print(f"rig-vllm-stream vs resubmit-vllm: per hop {per_hop} faster; end to end at c{hi} "
-              f"{_fmt(r.get(f'end_to_end_c{hi}'))}x the tokens/s", file=out)
+    for key, (rig, peer) in PAIRS.items():
+        r = result.get(key) or {}
+        if any(v is not None for v in r.values()):
+            per_hop = ", ".join(f"c{c} {_fmt(r.get(f'per_hop_c{c}'))}x" for c in cs)
+            end = ", ".join(f"c{c} {_fmt(r.get(f'end_to_end_c{c}'))}x" for c in cs)
+            print(f"{rig} vs {peer}: per hop {per_hop} faster; tokens/s {end}", file=out)
 
 
 def result_json(summary: dict, skipped: dict[str, str], errors: dict[str, str], concurrency: list[int],
@@ -143,4 +154,4 @@ def result_json(summary: dict, skipped: dict[str, str], errors: dict[str, str], 
     order = {n: i for i, n in enumerate(SYSTEMS)}
     systems = dict(sorted(systems.items(), key=lambda kv: order.get(kv[0], len(order))))
     return {"bench": "peers", **config, "concurrency": concurrency, "systems": systems,
-            "ratios": ratios(summary, concurrency)}
+            **{key: ratios(summary, concurrency, rig, peer) for key, (rig, peer) in PAIRS.items()}}

@@ -47,7 +47,8 @@ def run_rig(name: str, build_engine: Callable[[int], object], prompts: list[list
             if step.first_token_ms is not None]
     return RunResult(name, concurrency, wall, [s.matcher.visible_text().strip() for s in seqs],
                      [s.trace.generated_tokens for s in seqs], [s.trace.total_ms - s.trace.queue_ms for s in seqs],
-                     hops, finish=[s.finish_reason or "" for s in seqs])
+                     hops, finish=[s.finish_reason or "" for s in seqs],
+                     errors=[e for s in seqs for e in s.trace.engine_errors])
 
 
 def _evaluated(step) -> int:

@@ -175,20 +175,20 @@ class RigLoopConfig(_Section):
 class RemoteConfig(_Section):
     """A completion server that runs the model (``engine.backend: remote``); see ``engine/runner_remote.py``."""
 
-    base_url: str | None = None
-    """e.g. http://127.0.0.1:8080 (llama-server) or http://127.0.0.1:8000 (vLLM)."""
+    base_url: str | None = None  # e.g. http://127.0.0.1:8080 (llama-server), http://127.0.0.1:8000 (vLLM)
     api: Literal["auto", "llama.cpp", "openai"] = "auto"
     """``llama.cpp``: llama-server's native /completion; ``openai``: /v1/completions with token-id
     prompts and token ids back (vLLM); ``auto``: llama.cpp when the server answers /props."""
     api_key: str | None = None
     model: str | None = None
     """The served model's name, for the OpenAI API (default: the server's first model)."""
+    stream: bool = True
+    """One streamed request per stretch between hops (``engine/runner_stream.py``); false: requests
+    of ``lookahead`` tokens, ``parallel`` at once (``engine/runner_remote.py``)."""
     lookahead: int = Field(16, ge=1, le=512)
-    """Tokens the server predicts per call; steps that take its predicted token cost no call."""
     top_logprobs: int = Field(20, ge=1, le=100)
     """Top log-probabilities per position: what the engine's masks and sampling choose among."""
     parallel: int = Field(4, ge=1, le=256)
-    """Calls in flight at once (rows of a batch that need the server in the same step)."""
     timeout_s: float = Field(120.0, gt=0)
 
 
@@ -196,23 +196,23 @@ class VllmConfig(_Section):
     """vLLM in this process (``engine.backend: vllm``); see ``engine/runner_vllm.py``."""
 
     mode: Literal["auto", "stream", "prefix"] = "auto"
-    """``stream``: one resumable request per row (vLLM's ``StreamingInput``), its KV kept across hops;
-    ``prefix``: a new request per call, the prefix cache holding the earlier tokens; ``auto``: stream
-    where the installed vLLM has it."""
+    """``stream``: one resumable request per row (``StreamingInput``), its KV kept across hops; ``prefix``:
+    a request per call, the prefix cache holding earlier tokens; ``auto``: stream where vLLM has it."""
     max_model_len: int = Field(8192, ge=16)
     """Tokens a row may hold: prompt, generation and every hop's evidence."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """On a GPU: the share of its memory vLLM takes (weights, activations, KV cache)."""
     kv_cache_gib: float | None = Field(None, gt=0.0)
-    """KV-cache memory in GiB. null: on a CPU ``vllm_api.CPU_KV_CACHE_GIB`` (vLLM's CPU build otherwise reserves
-    ``gpu_memory_utilization`` of the host's RAM and refuses to start when that much is not free), on a
-    GPU whatever ``gpu_memory_utilization`` leaves."""
+    """KV-cache GiB. null: ``vllm_api.CPU_KV_CACHE_GIB`` on a CPU (vLLM's CPU build would reserve
+    ``gpu_memory_utilization`` of the RAM), on a GPU what ``gpu_memory_utilization`` leaves."""
     enforce_eager: bool | None = None
-    """Skip graph capture and compilation: faster start, slower decode. null: eager on a CPU (where
-    compiling costs about a minute and a half before the first token), graphs on a GPU."""
+    """No graph capture or compile: faster start, slower decode. null: eager on a CPU, graphs on a GPU."""
     block_size: int | None = Field(None, ge=1)
-    """Tokens per KV block (the prefix cache reuses whole blocks). null: the platform's default
-    (128 on vLLM's CPU build, 16 on CUDA)."""
+    """Tokens per KV block (prefix-cache granularity). null: the platform's (128 CPU, 16 CUDA)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["mp", "ray", "uni", "external_launcher"] | None = None
+    """Past one GPU: the model split over tensor x pipeline GPUs, their workers run by this (null: vLLM's pick)."""
     top_logprobs: int = Field(20, ge=1, le=100)
     """Top log-probabilities per position: what the engine's masks and sampling choose among."""
     lookahead: int = Field(16, ge=1, le=512)

@@ -64,11 +64,29 @@ class _Added:
     ids: dict[str, int]
     """Each added token's text -> its id (the template's delimiters among them)."""
     control: frozenset[int]
-    """Ids a request's text may never produce: special tokens (chat delimiters, end of text) and
-    added marker tokens, special or not."""
+    """Ids a request's text may never produce: special tokens (chat delimiters, end of text), added
+    marker tokens, and added tags that are not special (Qwen's ``<tool_call>``, ``<think>``)."""
     splitter: re.Pattern | None
     """Splits text at added tokens, keeping them."""
     control_strings: re.Pattern | None
+    prefixes: frozenset[str]
+    """Proper prefixes of the control strings: a text ending in one could complete one with what
+    a template writes after it."""
+    suffixes: frozenset[str]
+    longest: int = 0
+
+    def unsafe(self, text: str) -> list[tuple[int, int]]:
+        """Spans of ``text`` that must not meet the template: control strings, and a piece of one
+        at either end."""
+        spans = [m.span() for m in self.control_strings.finditer(text)] if self.control_strings else []
+        n = len(text)
+        head = next((j for j in range(min(self.longest, n), 0, -1) if text[:j] in self.suffixes), 0)
+        tail = next((j for j in range(max(0, n - self.longest), n) if text[j:] in self.prefixes), n)
+        if head and not (spans and spans[0][0] < head):
+            spans.insert(0, (0, head))
+        if tail < n and not (spans and spans[-1][1] > tail):
+            spans.append((tail, n))
+        return spans
 
 
 _ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -81,9 +99,13 @@ def _added(tokenizer) -> _Added:
         added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
         markers = {s for spec in (MarkerSpec.special_token(), MarkerSpec.json()) for s in (*spec.start, *spec.end)}
         ids = {t.content: i for i, t in added.items()}
-        control = frozenset(i for i, t in added.items() if t.special or t.content in markers)
-        cached = (size, _Added(ids, control, _alternatives(ids, capture=True),
-                               _alternatives([added[i].content for i in control])))
+        control = frozenset(i for i, t in added.items()
+                            if t.special or t.content in markers or re.fullmatch(r"<[^<>\s]{1,64}>", t.content))
+        strings = [added[i].content for i in control]
+        cached = (size, _Added(ids, control, _alternatives(ids, capture=True), _alternatives(strings),
+                               frozenset(c[:k] for c in strings for k in range(1, len(c))),
+                               frozenset(c[k:] for c in strings for k in range(1, len(c))),
+                               max(map(len, strings), default=0)))
         _ADDED[tokenizer] = cached
     return cached[1]
 
@@ -113,8 +135,9 @@ def text_ids(tokenizer, text: str) -> list[int]:
 
 
 _SLOT = "\ue000{}\ue001"
-"""Where a caller's text goes in the rendered template (private-use characters: nothing treats
-them specially); each is replaced by its text, encoded as text."""
+"""Stands in the rendered template for a piece of a caller's text that must not meet the template:
+a control string, or a piece of one at an end (private-use characters: nothing treats them
+specially). Each is put back after the template's own tokens are found, encoded as text."""
 
 
 def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str | None = None,
@@ -124,7 +147,9 @@ def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str 
 
     Special tokens come only from the chat template and ``system`` (the server's own prompt, whose
     example markers are real markers): every message's content, a system message among them, and
-    ``memory`` are encoded as text (``text_ids``)."""
+    ``memory`` are encoded as text. Texts without a control string (nor a piece of one at an end)
+    go through ``apply_chat_template`` unchanged, so their ids are the tokenizer's own; the rest
+    are rendered with placeholders where the control strings were (``_encode_rendered``)."""
     if isinstance(question_or_messages, str):
         if not question_or_messages.strip():
             raise ValueError("empty question")
@@ -133,18 +158,28 @@ def build_prompt(tokenizer, question_or_messages, spec: MarkerSpec, system: str 
         messages = list(question_or_messages)
         if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
-    texts: list[str] = []
+    added, texts = _added(tokenizer), []
 
-    def slot(text) -> str:
-        texts.append("" if text is None else str(text))
-        return _SLOT.format(len(texts) - 1)
+    def guard(text) -> str | None:
+        if not isinstance(text, str):
+            return text
+        out, at = [], 0
+        for a, b in added.unsafe(text):
+            texts.append(text[a:b])
+            out += [text[at:a], _SLOT.format(len(texts) - 1)]
+            at = b
+        return "".join(out) + text[at:] if out else text
 
-    messages = [{**m, "content": slot(m["content"])} for m in messages]
+    messages = [{**m, "content": guard(m["content"])} for m in messages]
     if messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system or system_prompt(spec)}, *messages]
     if memory:
-        messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{slot(memory)}"}, *messages[1:]]
-    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{guard(memory)}"}, *messages[1:]]
+    template = getattr(tokenizer, "chat_template", None)
+    if not texts and template:  # no text could become a control token: the tokenizer's own ids
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    if template:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
         rendered = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "

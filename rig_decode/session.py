@@ -66,7 +66,7 @@ class RigSession:
         self.config = config
         runner = None
         if config.engine.backend == "remote":
-            from .engine.runner_remote import remote_runner
+            from .engine.runner_stream import remote_runner
             from .models.loader import load_tokenizer
 
             tokenizer = tokenizer or load_tokenizer(config.served_model())

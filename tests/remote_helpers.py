@@ -1,14 +1,17 @@
 """A llama-server stand-in over a local HF model: the native ``/completion`` endpoint with token-id
 prompts, greedy lookahead, ``n_probs`` top log-probabilities and a one-slot prompt cache whose use
 it reports in ``timings`` the way llama.cpp does (``cache_n`` reused, ``prompt_n`` evaluated).
-Like ``llama-server -np N``, it has N slots and serves a request from the slot whose cached tokens
-share the longest prefix with the prompt (the least recently used one when none does)."""
+Like ``llama-server -np N``, it has N slots and serves a request from the slot ``id_slot`` names, or
+else from the one whose cached tokens share the longest prefix with the prompt (the least recently
+used one when none does). ``stream: true`` sends one Server-Sent Event per token (with ``timings``
+on each, as ``timings_per_token`` asks) and stops decoding when the client closes the connection."""
 
 from __future__ import annotations
 
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -16,14 +19,20 @@ import torch
 
 class FakeLlamaServer:
     def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
-                 slot_actions: bool = True):
+                 slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
         self.drop_connections = drop_connections
         """The first this many completion requests are dropped: the connection is closed unanswered."""
+        self.garbage, self.token_delay_s = garbage, token_delay_s
+        """``token_delay_s``: a pause after each decoded token (a server slower than its client)."""
+        """The first this many completion requests are answered with something that is not JSON."""
         self.slot_actions = slot_actions
         """Whether ``POST /slots/N?action=erase`` works (llama-server started with ``--slot-save-path``)."""
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # each: last prompt + what it generated
+        self.used = [0] * slots  # when each slot last served (for least recently used)
         self.requests: list[dict] = []
+        self.decoded = 0
+        """Tokens decoded over all requests (a closed stream stops adding to it)."""
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -38,34 +47,45 @@ class FakeLlamaServer:
         self.httpd.server_close()
 
     def complete(self, body: dict) -> dict:
+        tokens, probs, timings = [], [], None
+        for tok, prob, timings in self.generate(body):
+            tokens.append(tok)
+            probs.append(prob)
+        return {"tokens": tokens, "completion_probabilities": probs, "timings": timings}
+
+    def generate(self, body: dict):
+        """``(token, its probabilities, timings)`` per decoded token; the slot's cache follows."""
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise ValueError("this stand-in takes token-id prompts only")
         with self.lock:
             lcps = [_common_prefix(slot, prompt) for slot in self.slots]
-            best = max(range(len(self.slots)), key=lambda i: lcps[i])
-            if lcps[best] == 0:
-                best = 0
-            lcp = lcps[best]
-            self.slots.append(self.slots.pop(best))  # most recently used last; slot 0 is the oldest
-            cache_n = min(lcp, len(prompt) - 1)  # a fully cached prompt re-evaluates its last token
-            ids, tokens, probs = list(prompt), [], []
-            with torch.no_grad():
-                for _ in range(body.get("n_predict", 16)):
-                    logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
-                    top = torch.topk(logp, body.get("n_probs", 0) or 1)
-                    tok = int(top.indices[0])
-                    tokens.append(tok)
-                    probs.append({"id": tok, "logprob": float(top.values[0]),
-                                  "top_logprobs": [{"id": int(i), "logprob": float(v)}
-                                                   for i, v in zip(top.indices, top.values)]})
-                    ids.append(tok)
-                    if tok == self.eos_id:
-                        break
-            self.slots[-1] = ids
-            self.requests.append({"prompt_len": len(prompt), "n_predict": body.get("n_predict")})
-            return {"tokens": tokens, "completion_probabilities": probs,
-                    "timings": {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n}}
+            if body.get("id_slot") is not None:
+                best = body["id_slot"] % len(self.slots)
+            else:
+                best = max(range(len(self.slots)), key=lambda i: (lcps[i], -self.used[i]))
+                if lcps[best] == 0:
+                    best = min(range(len(self.slots)), key=lambda i: self.used[i])
+            self.used[best] = max(self.used) + 1
+            cache_n = min(lcps[best], len(prompt) - 1)  # a fully cached prompt re-evaluates its last token
+            self.requests.append({"prompt_len": len(prompt), "n_predict": body.get("n_predict"), "slot": best,
+                                  "stream": bool(body.get("stream"))})
+            self.slots[best] = ids = list(prompt)
+        timings = {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n}
+        for _ in range(min(body.get("n_predict", 16), self.n_ctx - len(prompt))):
+            with self.lock, torch.no_grad():
+                logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+                top = torch.topk(logp, body.get("n_probs", 0) or 1)
+                tok = int(top.indices[0])
+                ids.append(tok)
+                self.decoded += 1
+            if self.token_delay_s:
+                time.sleep(self.token_delay_s)
+            yield tok, {"id": tok, "logprob": float(top.values[0]),
+                        "top_logprobs": [{"id": int(i), "logprob": float(v)} for i, v in zip(top.indices, top.values)]
+                        }, timings
+            if tok == self.eos_id:
+                break
 
     def _handler(self):
         server = self
@@ -84,7 +104,8 @@ class FakeLlamaServer:
 
             def do_GET(self):
                 if self.path == "/props":
-                    self._send(200, {"default_generation_settings": {"n_ctx": server.n_ctx}})
+                    self._send(200, {"default_generation_settings": {"n_ctx": server.n_ctx},
+                                     "total_slots": len(server.slots)})
                 elif self.path == "/slots":
                     with server.lock:
                         self._send(200, [{"id": i, "n_ctx": server.n_ctx, "n_tokens": len(slot)}
@@ -115,12 +136,45 @@ class FakeLlamaServer:
                 if drop:
                     self.close_connection = True
                     return
+                with server.lock:
+                    garbage, server.garbage = server.garbage > 0, max(0, server.garbage - 1)
+                if garbage:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream" if body.get("stream") else "text/plain")
+                    self.end_headers()
+                    self.wfile.write(b"data: {not json\n\n" if body.get("stream") else b"<html>oops</html>")
+                    self.close_connection = True
+                    return
                 try:
-                    self._send(200, server.complete(body))
+                    if body.get("stream"):
+                        self._stream(body)
+                    else:
+                        self._send(200, server.complete(body))
                 except ValueError as e:
                     self._send(400, {"error": str(e)})
 
+            def _stream(self, body: dict):
+                events = server.generate(body)
+                first = next(events, None)  # a bad request fails before the stream starts
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.close_connection = True
+                try:
+                    for tok, prob, timings in _chain([first] if first else [], events):
+                        event = {"tokens": [tok], "completion_probabilities": [prob], "timings": timings,
+                                 "stop": tok == server.eos_id}
+                        self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    events.close()  # the client went away: stop decoding
+
         return Handler
+
+
+def _chain(first: list, rest):
+    yield from first
+    yield from rest
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

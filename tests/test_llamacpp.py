@@ -30,23 +30,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory):
-    from rig_decode.models.embedded import is_pulled, model_dir
-
-    if not is_pulled("smollm2-135m-instruct"):
-        pytest.skip("embedded default model not pulled")
-    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
-    gguf = tmp_path_factory.mktemp("gguf") / "smollm2-135m-instruct-f32.gguf"
-    subprocess.run([sys.executable, CONVERT, str(model_dir("smollm2-135m-instruct")), "--outtype", "f32",
-                    "--outfile", str(gguf)], check=True, capture_output=True)
-    port = _free_port()
-    log = open(gguf.with_suffix(".log"), "w")
-    proc = subprocess.Popen([SERVER, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "8192",
-                             "-np", "4", "-t", "2", "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+def _serve(gguf: Path, slots: int = 4, ctx: int = 8192):
+    """llama-server on ``gguf`` at a free port: yields its URL, stops it after."""
     import httpx
 
+    port = _free_port()
+    log = open(gguf.with_suffix(".log"), "w")
+    proc = subprocess.Popen([SERVER, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx),
+                             "-np", str(slots), "-t", "2", "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -64,6 +56,71 @@ def llama_server(tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=30)
     log.close()
+
+
+def _gguf(folder, out: Path) -> Path:
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
+    subprocess.run([sys.executable, CONVERT, str(folder), "--outtype", "f32", "--outfile", str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    from rig_decode.models.embedded import is_pulled, model_dir
+
+    if not is_pulled("smollm2-135m-instruct"):
+        pytest.skip("embedded default model not pulled")
+    gguf = _gguf(model_dir("smollm2-135m-instruct"), tmp_path_factory.mktemp("gguf") / "smollm2-135m-f32.gguf")
+    yield from _serve(gguf)
+
+
+@pytest.fixture(scope="module")
+def merged_server(tmp_path_factory):
+    """llama-server serving the embedded default with its marker adapter merged in (what the peers
+    bench and a deployment serve)."""
+    from rig_decode.config import RigConfig
+    from rig_decode.models.embedded import is_pulled
+    from rig_decode.models.merged import merged_checkpoint
+
+    if not is_pulled("smollm2-135m-instruct"):
+        pytest.skip("embedded default model not pulled")
+    folder = merged_checkpoint(RigConfig().model, "float32")
+    yield from _serve(_gguf(folder, tmp_path_factory.mktemp("gguf") / "merged-f32.gguf"), ctx=16384)
+
+
+@pytest.mark.parametrize("rules", [{}, {"max_iterations": 1, "max_query_tokens": 4}], ids=["default", "budget-cap"])
+def test_the_demo_on_llama_server_gives_the_in_process_answers(merged_server, rules):
+    """``rig ask --backend remote`` on the merged model: the demo's answers and hop queries, under the
+    default rules and under a hop budget of one and a query cap of four tokens (which the server's own
+    greedy choice would break: the rules hold because the engine applies them)."""
+    import json
+    from importlib import resources
+
+    from rig_decode import RigConfig, RigSession
+    from rig_decode.adapters import embedded_adapter
+
+    questions = [q["question"] for q in
+                 json.loads((resources.files("rig_decode") / "data" / "demo_questions.json").read_text())]
+    cfg = RigConfig().updated(model={"max_tokens": 160}, rig=rules)
+    with RigSession(cfg) as session:
+        expected = session.ask_batch(questions)
+    remote = cfg.updated(model={"adapter": str(embedded_adapter("smollm2-135m-instruct"))},
+                         engine={"backend": "remote", "remote": {"base_url": merged_server}})
+    with RigSession(remote) as session:
+        got = session.ask_batch(questions)
+        calls = session.engine.runner.calls
+    hops = 0
+    for (a_answer, a_trace), (b_answer, b_trace) in zip(expected, got):
+        assert b_answer == a_answer
+        assert [s.query for s in b_trace.retrieval_steps] == [s.query for s in a_trace.retrieval_steps]
+        assert b_trace.num_hops <= rules.get("max_iterations", 3)
+        hops += b_trace.num_hops
+        for step in b_trace.retrieval_steps:
+            assert step.info["server"]["prompt_n"] <= step.evidence_tokens + 1, step.info
+    assert hops >= len(questions)
+    if not rules:  # nothing forced: one request per question and one per hop
+        assert calls == len(questions) + hops, (calls, hops)
 
 
 def test_remote_llamacpp_answers_like_the_in_process_backend(llama_server):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rig_decode.engine import EngineOptions, RigEngine
-from rig_decode.engine.runner_remote import LlamaCppServer, RemoteRunner
+from rig_decode.engine.runner_remote import LlamaCppServer
+from rig_decode.engine.runner_stream import StreamingRunner
 from rig_decode.engine.runner_vllm import EventLoopThread, VllmRunner
 from rig_decode.markers import MarkerSpec
 from rig_decode.prompt import build_prompt
@@ -103,8 +104,8 @@ def test_peers_on_stand_ins(setup):
                     FakeAsyncLLM(model, tok.eos_token_id), api, len(tok), mode="stream", context_limit=2048,
                     timeout_s=120)), p, c, n)),
             systems.System("rig-llama", lambda p, c, n: systems.run_rig(
-                "rig-llama", lambda c: _rig_engine(tok, retriever, policy, c, runner=RemoteRunner(
-                    LlamaCppServer(server.url), len(tok), lookahead=4, top_logprobs=5, parallel=c)), p, c, n)),
+                "rig-llama", lambda c: _rig_engine(tok, retriever, policy, c, runner=StreamingRunner(
+                    LlamaCppServer(server.url), len(tok), top_logprobs=5)), p, c, n)),
             systems.System("resubmit-vllm", lambda p, c, n: resubmit.run_resubmit(
                 "resubmit-vllm", complete_vllm, tok, retriever, p, c, n, **loop_kw)),
             systems.System("resubmit-llama", lambda p, c, n: resubmit.run_resubmit(
@@ -127,7 +128,9 @@ def test_peers_on_stand_ins(setup):
     assert data["bench"] == "peers" and data["questions"] == 2 and data["search_ms"] == 1.0
     assert data["systems"]["rig-vllm-prefix"] == {"skipped": "vLLM missing: stand-in test"}
     assert any("rig-vllm-prefix" in line and "skipped" in line for line in lines[:-1])
-    assert set(data["ratios"]) == {"per_hop_c1", "per_hop_c2", "end_to_end_c2"}
+    for key in ("ratios", "ratios_llama"):
+        assert set(data[key]) == {"per_hop_c1", "per_hop_c2", "end_to_end_c1", "end_to_end_c2"}
+        assert all(v > 0 for v in data[key].values()), data[key]
     for name in ("rig-hf", "rig-vllm-stream", "rig-llama", "resubmit-vllm", "resubmit-llama"):
         s = data["systems"][name]
         assert {"per_hop_ms", "hop_tokens_evaluated", "tok_s_c1", "tok_s_c2", "p95_ms", "retokenized",

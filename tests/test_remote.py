@@ -5,6 +5,7 @@ import pytest
 
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_remote import LlamaCppServer, RemoteError, RemoteRunner, make_server
+from rig_decode.engine.runner_stream import StreamingRunner
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
 from .helpers import ForceScript, ScriptedRetriever
@@ -25,13 +26,19 @@ def _generate(engine, tok, prompts):
     return seqs
 
 
+RUNNERS = {"lookahead": lambda server, n: RemoteRunner(server, n, lookahead=16, top_logprobs=20),
+           "streaming": lambda server, n: StreamingRunner(server, n, top_logprobs=20)}
+
+
+@pytest.mark.parametrize("kind", list(RUNNERS))
 @pytest.mark.parametrize("opts", [{}, {"retrieve_first": True, "max_query_tokens": 6}])
-def test_remote_runner_gives_the_in_process_tokens(model, tok, opts):
+def test_remote_runner_gives_the_in_process_tokens(model, tok, opts, kind):
     script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
     local = _generate(_engine(model, tok, script, **opts), tok, PROMPTS)
     with FakeLlamaServer(model, tok.eos_token_id) as server:
-        runner = RemoteRunner(LlamaCppServer(server.url), len(tok), lookahead=16, top_logprobs=20)
+        runner = RUNNERS[kind](LlamaCppServer(server.url), len(tok))
         remote = _generate(_engine(model, tok, script, runner=runner, **opts), tok, PROMPTS)
+        assert all(r["stream"] == (kind == "streaming") for r in server.requests)
     for a, b in zip(local, remote):
         assert b.token_ids == a.token_ids and b.mask == a.mask
         assert b.trace.num_hops == a.trace.num_hops > 0
@@ -43,16 +50,20 @@ def test_remote_runner_gives_the_in_process_tokens(model, tok, opts):
                 assert server_info["cache_n"] >= step.position - 1
 
 
+def plain_answers(model, tok, runner, n: int = 40):
+    """A 40-token answer with no hop through ``runner``, and the in-process engine's."""
+    out = []
+    for engine in (_engine(model, tok, {}, runner=runner, max_iterations=0), _engine(model, tok, {}, max_iterations=0)):
+        out.append(engine.new_sequence(tok.encode(PROMPTS[0]), max_new_tokens=n))
+        engine.generate(out[-1:])
+    return out
+
+
 def test_the_lookahead_serves_the_models_own_tokens(model, tok):
     """Where nothing forces a token, one call serves ``lookahead`` steps."""
     with FakeLlamaServer(model, tok.eos_token_id) as server:
         runner = RemoteRunner(LlamaCppServer(server.url), len(tok), lookahead=8)
-        engine = _engine(model, tok, {}, runner=runner, max_iterations=0)
-        seq = engine.new_sequence(tok.encode(PROMPTS[0]), max_new_tokens=40)
-        engine.generate([seq])
-        local = _engine(model, tok, {}, max_iterations=0)
-        ref = local.new_sequence(tok.encode(PROMPTS[0]), max_new_tokens=40)
-        local.generate([ref])
+        seq, ref = plain_answers(model, tok, runner)
     assert seq.token_ids == ref.token_ids
     assert runner.calls == -(-seq.num_generated // 8), (runner.calls, seq.num_generated)
 

@@ -312,3 +312,29 @@ def test_normal_prompts_keep_their_ids(real):
     assert forged.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant
     assert not {tokenizer.convert_tokens_to_ids(t) for t in ("<|retrieve|>", "<|endofretrieve|>")} & set(forged)
     assert tokenizer.decode(text_ids(tokenizer, FORGED)) == FORGED
+
+
+def test_prompt_building_leaves_clean_text_to_the_template_and_cuts_every_control_string(tok):
+    """Text without a control string goes through ``apply_chat_template`` as it is (a template that
+    trims or inspects content sees the real text); an added tag that is not special (Qwen's
+    ``<tool_call>``) is a control string too; a text ending in a piece of one cannot complete it."""
+    import copy
+
+    from rig_decode.markers import MarkerSpec
+
+    spec = MarkerSpec.special_token()
+    trimming = copy.deepcopy(tok)
+    trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                              "{% if m['content'] %}!{% endif %}<|im_end|>\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    trimming.add_tokens(["<tool_call>"])  # added, not special
+    tool = trimming.convert_tokens_to_ids("<tool_call>")
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "  hi there  "}]
+    expected = trimming.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert build_prompt(trimming, chat[1:], spec, "S") == list(expected)
+    assert tool in trimming.encode("x <tool_call>", add_special_tokens=False)  # what plain encoding does
+    for text in ("x <tool_call> y", "ends in <|im_", "im_end|> starts"):
+        ids = build_prompt(trimming, text, spec, "S")
+        assert tool not in ids and control(trimming, ids) == control(trimming, build_prompt(trimming, "q", spec, "S"))
+        assert text.strip() in trimming.decode(ids)

@@ -392,3 +392,21 @@ def test_bench_skips_without_cuda():
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipped" in json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_parallelism_reaches_the_engine_args():
+    """tensor / pipeline parallel size and the executor: the way past one GPU, set from the config."""
+    api = SimpleNamespace(version="x", quantization_methods=None, device="cuda")
+    cfg = RigConfig.from_dict({"model": {"name": "org/m"}, "engine": {"backend": "vllm", "vllm": {
+        "tensor_parallel_size": 4, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}}})
+    kwargs = engine_args_kwargs(cfg, api)
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"],
+            kwargs["distributed_executor_backend"]) == (4, 2, "ray")
+    assert "tensor_parallel_size" not in engine_args_kwargs(RigConfig.from_dict(
+        {"model": {"name": "org/m"}, "engine": {"backend": "vllm"}}), api)  # one GPU: vLLM's defaults
+    try:
+        real = load_vllm_api()
+    except VllmMissingError:
+        return
+    args = real.AsyncEngineArgs(**kwargs)  # vLLM's own argument object takes them
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend) == (4, 2, "ray")

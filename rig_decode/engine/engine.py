@@ -36,6 +36,7 @@ finishes with a reason. Errors are data: a marker the model wrote wrong goes to
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -75,6 +76,9 @@ class RigEngine:
         self.runner = runner if runner is not None else HFModelRunner(
             model, pad, options.kv_budget_tokens, prefill_chunk=options.prefill_chunk_tokens,
             decode_step=options.decode_step)
+        rows = getattr(self.runner, "max_rows", None)  # a server with that many slots (llama-server)
+        if rows and rows < options.max_batch_size:
+            self.opts = options = dataclasses.replace(options, max_batch_size=rows)
         self.chunks = self._chunk_store(model, options)
         if options.append_format == "summary" and not hasattr(self.runner, "evict"):
             raise ValueError(f"append_format: summary drops evidence from the KV cache, which "
@@ -228,6 +232,9 @@ class RigEngine:
         parked = postprocess(rows, sampled, spliced, t0, self.stop_ids, self.runner.context_limit,
                              getattr(self.runner, "row_info", None), ready)
         now = time.perf_counter()
+        if parked and hasattr(self.runner, "pause"):  # a remote row's stream stops while it searches
+            gone = {id(s) for s in parked}
+            self.runner.pause([i for i in ready if id(batch[i]) in gone])
         self.hops.park(batch, parked, now)
         if self.opts.waits_for_retrieval:  # the decode path waits for this step's searches
             self.hops.wait_for(batch, parked, now)
@@ -258,6 +265,9 @@ class RigEngine:
             logits = self.runner.step(feed, staged=staged, reselect=reselect)
         else:
             logits = self.runner.step(feed)
+        take_errors = getattr(self.runner, "take_row_errors", None)  # a remote row whose request failed
+        for i, error in (take_errors() if take_errors else {}).items():
+            batch[i].fail("asking the model server", error, time.perf_counter())
         for i in ready:
             batch[i].pending.clear()
             batch[i].staged = None

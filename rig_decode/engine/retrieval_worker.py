@@ -186,7 +186,11 @@ class RetrievalWorker:
                     self._cond.wait()
                 if self._closed or self._lane is not me:
                     return
-                batch, self._queue = self._queue, []
+                # one search call per distinct filters (API keys' namespaces): the first query's
+                # group now, the others stay queued, each under its own timeout
+                group = _group(self._queue[0])
+                batch = [job for job in self._queue if _group(job) == group]
+                self._queue = [job for job in self._queue if _group(job) != group]
                 me.batch, me.started = batch, time.perf_counter()
             try:
                 results = self._search(me, batch)
@@ -204,14 +208,8 @@ class RetrievalWorker:
                 self._cond.notify_all()
 
     def _search(self, me: _Lane, batch: list[Job]) -> list[RetrievalResult]:
-        """One search per distinct ``filters`` (one in all unless API keys bind namespaces)."""
-        groups: dict[str, list[Job]] = {}
-        for job in batch:
-            groups.setdefault(json.dumps(job.filters, sort_keys=True, default=str), []).append(job)
-        return [result for jobs in groups.values() for result in self._search_together(me, jobs)]
-
-    def _search_together(self, me: _Lane, batch: list[Job]) -> list[RetrievalResult]:
-        """One search for these queries, at their largest ``top_k``; each query keeps its own."""
+        """One search for the batch (queries with the same filters), at its largest ``top_k``; each
+        query keeps its own."""
         t0 = time.perf_counter()
         queries, filters = [job.query for job in batch], batch[0].filters
         extra = (filters,) if filters else ()
@@ -236,6 +234,10 @@ class RetrievalWorker:
                 out.append(RetrievalResult(job.ticket, job.seq_id, HitList(hits[:job.top_k], hits.info), None, ms,
                                            len(batch), attempts))
         return out
+
+
+def _group(job: Job) -> str:
+    return json.dumps(job.filters, sort_keys=True, default=str)
 
 
 def _clip(text: str, n: int = 300) -> str:

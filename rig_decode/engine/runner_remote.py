@@ -25,6 +25,7 @@ sent (a server that re-tokenised). The engine puts these into the trace of the h
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,6 +82,40 @@ class HttpServer:
         except ValueError:
             raise RemoteError(f"{self.base_url}{path} answered something that is not JSON: {r.text[:200]!r}") from None
 
+    def stream(self, path: str, body: dict, cancelled=lambda: False, opened=None):
+        """``POST`` a streaming request: each Server-Sent Event's JSON, until ``[DONE]``, the end, or
+        ``cancelled()`` (checked at every event; leaving closes the connection: the server stops).
+        ``opened(response)`` gets the open response, which another thread may close."""
+        import httpx
+
+        try:
+            with self.http.stream("POST", path, json=body) as r:
+                if opened is not None:
+                    opened(r)
+                if r.status_code != 200:
+                    raise RemoteError(f"{self.base_url}{path} answered {r.status_code}: {r.read()[:300]!r}")
+                for line in r.iter_lines():
+                    if cancelled():
+                        return
+                    if not line.startswith("data:"):
+                        if line.startswith("error:"):
+                            raise RemoteError(f"{self.base_url}{path} streamed an error: {line[:300]}")
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        raise RemoteError(f"{self.base_url}{path} streamed something that is not JSON: "
+                                          f"{data[:200]!r}") from None
+                    if not isinstance(event, dict) or "error" in event:
+                        raise RemoteError(f"{self.base_url}{path} streamed an error: {data[:300]}")
+                    yield event
+        except (httpx.HTTPError, httpx.StreamError) as e:
+            if not cancelled():
+                raise RemoteError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
+
     def get(self, path: str) -> dict | None:
         import httpx
 
@@ -109,6 +144,30 @@ class LlamaCppServer(HttpServer):
         props = self.get("/props") or {}
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or props.get("n_ctx")
         return int(n_ctx) if n_ctx else None
+
+    def total_slots(self) -> int | None:
+        return (self.get("/props") or {}).get("total_slots")
+
+    def stream_completion(self, prompt_ids: list[int], n_predict: int, n_probs: int, slot: int | None = None,
+                          cancelled=lambda: False, opened=None):
+        """The completion as it decodes: ``(predictions, info)`` per event (``info``: the prompt's
+        accounting, on the events that carry timings); ``slot`` pins the request to a slot."""
+        body = {"prompt": prompt_ids, "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0,
+                "cache_prompt": True, "return_tokens": True, "repeat_penalty": 1.0, "stream": True,
+                "timings_per_token": True}
+        if slot is not None or self.slot is not None:
+            body["id_slot"] = self.slot if slot is None else slot
+        for event in self.stream("/completion", body, cancelled, opened):
+            tokens, probs = event.get("tokens") or [], event.get("completion_probabilities") or []
+            if len(probs) < len(tokens):
+                raise RemoteError(f"{self.base_url}/completion streamed tokens without their probabilities: "
+                                  "llama-server too old for return_tokens / n_probs?")
+            preds = [Prediction(int(tok), [(int(t["id"]), float(t["logprob"])) for t in p.get("top_logprobs", [])]
+                                or [(int(tok), 0.0)]) for tok, p in zip(tokens, probs)]
+            timings = event.get("timings") or {}
+            info = ({"cache_n": timings.get("cache_n"), "prompt_n": timings.get("prompt_n"),
+                     "prompt_ms": timings.get("prompt_ms")} if "prompt_n" in timings else None)
+            yield preds, info
 
     def complete(self, prompt_ids: list[int], n_predict: int, n_probs: int, seed: int = 0) -> Completion:
         body = {"prompt": prompt_ids, "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0,
@@ -146,6 +205,35 @@ class OpenAICompletionServer(HttpServer):
                 return m.get("max_model_len")
         return None
 
+    def total_slots(self) -> int | None:
+        return None  # vLLM schedules requests itself; its prefix cache needs no pinning
+
+    def stream_completion(self, prompt_ids: list[int], n_predict: int, n_probs: int, slot: int | None = None,
+                          cancelled=lambda: False, opened=None):
+        """The completion as it decodes (see ``LlamaCppServer.stream_completion``); the prompt's
+        accounting comes from vLLM's per-chunk usage (``continuous_usage_stats``)."""
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": n_predict, "temperature": 0.0,
+                "logprobs": n_probs, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        for event in self.stream("/v1/completions", body, cancelled, opened):
+            info = None
+            usage = event.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                info = {"cache_n": cached, "prompt_n": len(prompt_ids) - cached}
+            for choice in event.get("choices") or []:
+                tokens = choice.get("token_ids")
+                if tokens is None:
+                    raise RemoteError(f"{self.base_url}/v1/completions streamed no token_ids: the server must "
+                                      "accept return_token_ids and logprobs (vLLM does)")
+                tops = (choice.get("logprobs") or {}).get("top_logprobs") or [None] * len(tokens)
+                yield [Prediction(int(tok), _openai_top(top) or [(int(tok), 0.0)])
+                       for tok, top in zip(tokens, tops)], info
+                info = None
+            if info is not None:
+                yield [], info
+
     def complete(self, prompt_ids: list[int], n_predict: int, n_probs: int, seed: int = 0) -> Completion:
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": n_predict, "temperature": 0.0,
                 "seed": seed, "logprobs": n_probs, "return_token_ids": True, "return_tokens_as_token_ids": True,
@@ -158,15 +246,16 @@ class OpenAICompletionServer(HttpServer):
         except (KeyError, IndexError, TypeError):
             raise RemoteError(f"{self.base_url}/v1/completions returned no token_ids or top_logprobs: the server "
                               "must accept return_token_ids and logprobs (vLLM does)") from None
-        preds = []
-        for tok, top in zip(tokens, tops):
-            pairs = sorted(((int(k.rsplit(":", 1)[-1]), float(v)) for k, v in (top or {}).items()),
-                           key=lambda kv: -kv[1])
-            preds.append(Prediction(int(tok), pairs or [(int(tok), 0.0)]))
+        preds = [Prediction(int(tok), _openai_top(top) or [(int(tok), 0.0)]) for tok, top in zip(tokens, tops)]
         details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         return Completion(preds, cached, None if cached is None else len(prompt_ids) - cached,
                           choice.get("prompt_token_ids"))
+
+
+def _openai_top(top: dict | None) -> list[tuple[int, float]]:
+    """vLLM's ``{"token_id:N": logprob}`` (``return_tokens_as_token_ids``), best first."""
+    return sorted(((int(k.rsplit(":", 1)[-1]), float(v)) for k, v in (top or {}).items()), key=lambda kv: -kv[1])
 
 
 def make_server(api: str, base_url: str, *, model: str | None = None, api_key: str | None = None,
@@ -184,13 +273,6 @@ def make_server(api: str, base_url: str, *, model: str | None = None, api_key: s
     if api == "openai":
         return OpenAICompletionServer(base_url, model, api_key, timeout_s)
     raise ValueError(f"unknown remote api {api!r}: choose llama.cpp, openai or auto")
-
-
-def remote_runner(cfg, vocab_size: int) -> "RemoteRunner":
-    """The runner for an ``engine.remote`` config section."""
-    server = make_server(cfg.api, cfg.base_url, model=cfg.model, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
-    return RemoteRunner(server, vocab_size, lookahead=cfg.lookahead, top_logprobs=cfg.top_logprobs,
-                        parallel=cfg.parallel)
 
 
 @dataclass(slots=True)

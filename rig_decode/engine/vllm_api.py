@@ -123,6 +123,9 @@ def engine_args_kwargs(cfg, api: VllmApi | None = None) -> dict:
         kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
     if v.block_size is not None:
         kwargs["block_size"] = v.block_size
+    if v.tensor_parallel_size > 1 or v.pipeline_parallel_size > 1 or v.distributed_executor_backend:
+        kwargs.update(tensor_parallel_size=v.tensor_parallel_size, pipeline_parallel_size=v.pipeline_parallel_size,
+                      distributed_executor_backend=v.distributed_executor_backend)
     if model.quantization == "nf4":
         kwargs["quantization"] = "bitsandbytes"
         if api is not None and api.quantization_methods is not None and "bitsandbytes" not in api.quantization_methods:

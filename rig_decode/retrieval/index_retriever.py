@@ -79,7 +79,9 @@ class IndexRetriever:
         mask = filter_mask({**self.default_filters, **(filters or {})}, self.metadatas, self.fields)
         n_cand = max(top_k, self.candidates) if self.mode == "hybrid" else top_k
         infos: list[dict[str, Any]] = [{"mode": self.mode} for _ in queries]
-        if self.lexical is not None and self.typo_similarity:
+        if self.lexical is not None and self.typo_similarity and not filters:
+            # (not for a search held to filters, an API key's namespace: the index's whole vocabulary
+            # would correct it, and the correction would show words of other namespaces)
             queries = [self._correct(q, info) for q, info in zip(queries, infos)]
         if self.embedder is not None:
             for info in infos:

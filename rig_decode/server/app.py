@@ -71,18 +71,23 @@ class Server:
         """Requests whose prompt is being built (they count toward ``max_concurrency``)."""
 
     MAX_CONVERSATIONS = 1024
+    """Per key: one key's conversations never push out another's."""
 
     def memory(self, tenant: Tenant, conversation_id: str | None) -> EvidenceMemory | None:
         """The conversation's evidence memory, the key's own: another key's same id is another
-        conversation (the least recently used ones are forgotten)."""
+        conversation. Kept (``remember``) once a request with it is admitted."""
         if conversation_id is None:
             return None
+        return self.memories.get((tenant.name, conversation_id)) or EvidenceMemory()
+
+    def remember(self, tenant: Tenant, conversation_id: str, memory: EvidenceMemory) -> None:
+        """Keep a conversation's memory, forgetting the key's least recently used one past the cap."""
         key = (tenant.name, conversation_id)
-        memory = self.memories.pop(key, None) or EvidenceMemory()
+        self.memories.pop(key, None)
         self.memories[key] = memory
-        while len(self.memories) > self.MAX_CONVERSATIONS:
-            self.memories.popitem(last=False)
-        return memory
+        own = [k for k in self.memories if k[0] == tenant.name]
+        for k in own[: max(0, len(own) - self.MAX_CONVERSATIONS)]:
+            del self.memories[k]
 
     # -- requests -> sequences ---------------------------------------------------------------------
 
@@ -135,6 +140,8 @@ class Server:
         except ValueError as e:  # prompt too long for the context or the KV budget
             raise ApiError(400, str(e), code="context_length_exceeded") from None
         handle.seq.trace.prompt_marker_tokens = prompt.marker_tokens
+        if memory is not None:
+            self.remember(tenant, req.rig.conversation_id, memory)
         return handle
 
     # -- events -> OpenAI JSON ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ Everything here treats the client as a stranger:
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import os
@@ -168,7 +169,9 @@ class Prompts:
     """Requests' prompts as token ids, built off the event loop."""
 
     def __init__(self, engine: RigEngine, cfg: ServerConfig, spec: MarkerSpec, system: str):
-        self.engine, self.tok, self.spec, self.system = engine, engine.tokenizer, spec, system
+        # a copy of its own: a fast tokenizer flips a shared flag on the Rust side whenever a call
+        # asks for other split_special_tokens than the last one, which must not race the engine's
+        self.engine, self.tok, self.spec, self.system = engine, copy.deepcopy(engine.tokenizer), spec, system
         self.vocab_size = len(self.tok)
         table = engine.vocab.token_bytes
         self.max_chars = cfg.max_prompt_chars or engine.runner.context_limit * max(map(len, table))

@@ -1,0 +1,227 @@
+"""The remote runner that streams: one server request per stretch between hops, not per token.
+
+``RemoteRunner`` (``runner_remote.py``) asks a completion server for ``lookahead`` tokens at a time
+and waits for all of them before the engine sees the first. This runner asks for the rest of the
+row (up to the end of the context) with ``stream: true`` and hands each
+prediction to the engine as it arrives: the server decodes at its own pace, the engine's logits
+processors run on each position's top log-probabilities as before (so greedy decoding picks the
+tokens the in-process engine would), and a row costs a new request only where the engine takes a
+token the server did not predict:
+
+* a hop: when the row parks for its search, the engine closes its stream (``pause``: the server
+  stops decoding on the closed connection instead of running on while the search runs); the
+  evidence then goes up as the next request's new tokens, the server's prompt cache holding
+  everything before them, and the first token after the evidence streams back as soon as the
+  server has it;
+* a token a logits processor forced or banned (the query cap, the hop budget, the newline rule,
+  citations): the stream is closed and a new one starts from the engine's token.
+
+On llama-server each row keeps one slot (``id_slot``) for its whole life, so a new request finds
+its prefix in the slot's cache even while the closed stream's slot is still finishing its last
+token (llama-server defers a request for a busy slot); the engine's batch is held to the server's
+slots (``max_rows``), since a stream holds its slot while it lives. A stream ends with its row
+(``select``), and runs at most ``RUN_AHEAD`` tokens ahead of the engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .runner_remote import Prediction, RemoteError, RemoteRunner, make_server
+
+_END = object()
+
+STREAM_TOKENS = 1024
+"""The most tokens one request asks for (bounded by the context too)."""
+
+RUN_AHEAD = 4
+"""Predictions a stream may hold that the engine has not taken yet. The server decodes as fast as it
+can, whatever the engine's pace (at a high concurrency on shared cores, faster): past this, the
+stream closes itself, and the engine opens a new one (its prompt cached) when it has caught up. So
+a hop or a forced token wastes at most this many decoded tokens, not everything up to the end."""
+
+
+class _Stream:
+    """One streamed completion: a thread reads the server's predictions into a queue."""
+
+    def __init__(self, server, tokens: list[int], max_tokens: int, top_logprobs: int, slot: int | None):
+        self.predictions: queue.Queue = queue.Queue()
+        self.info: dict | None = None
+        """The server's accounting of the prompt (tokens from its cache, tokens evaluated)."""
+        self.closed = False
+        self.response = None
+        self.thread = threading.Thread(target=self._read, name="rig-remote-stream", daemon=True,
+                                       args=(server, list(tokens), max_tokens, top_logprobs, slot))
+        self.thread.start()
+
+    def _read(self, server, tokens, max_tokens, top_logprobs, slot) -> None:
+        try:
+            for preds, info in server.stream_completion(tokens, max_tokens, top_logprobs, slot,
+                                                        cancelled=lambda: self.closed, opened=self._opened):
+                if info is not None and self.info is None:
+                    self.info = info
+                for p in preds:
+                    self.predictions.put(p)
+                if self.predictions.qsize() >= RUN_AHEAD:  # far enough ahead of the engine: stop here
+                    self.closed = True
+                    break
+        except BaseException as e:  # noqa: BLE001 - the engine's thread raises it for this row
+            self.predictions.put(e)
+        self.predictions.put(_END)
+
+    def _opened(self, response) -> None:
+        self.response = response
+        if self.closed:  # closed before the server answered
+            self.close()
+
+    def next(self, timeout: float) -> Prediction | None:
+        """The next prediction (None: the stream ended)."""
+        try:
+            item = self.predictions.get(timeout=timeout)
+        except queue.Empty:
+            raise RemoteError(f"the server sent no token for {timeout:g}s") from None
+        if item is _END:
+            self.predictions.put(_END)  # stays ended
+            return None
+        if isinstance(item, BaseException):
+            raise item if isinstance(item, RemoteError) else RemoteError(f"{type(item).__name__}: {item}")
+        return item
+
+    def close(self) -> None:
+        """Stop reading and close the connection now (the reader wakes with an error it ignores)."""
+        self.closed = True
+        response = self.response
+        if response is not None:
+            try:
+                response.close()
+            except Exception:  # noqa: BLE001 - closed under a reader, or twice: it is closed either way
+                pass
+
+
+@dataclass(slots=True)
+class _Row:
+    tokens: list[int]
+    slot: int | None = None
+    stream: _Stream | None = None
+    next: Prediction | None = None
+    """The server's prediction for the position after ``tokens``."""
+    info: dict | None = None
+
+
+class StreamingRunner(RemoteRunner):
+    """The engine's runner interface over a streaming completion server (see the module docstring)."""
+
+    def __init__(self, server, vocab_size: int, *, top_logprobs: int = 20, context_limit: int | None = None,
+                 timeout_s: float = 120.0):
+        super().__init__(server, vocab_size, lookahead=STREAM_TOKENS, top_logprobs=top_logprobs,
+                         context_limit=context_limit)
+        self.timeout_s = timeout_s
+        self.row_errors: dict[int, str] = {}
+        """Rows whose server request failed in the last step (their logits are zeros): the engine
+        ends each alone (``take_row_errors``)."""
+        slots = server.total_slots()
+        self.free_slots = list(range(slots)) if slots else []
+        self.max_rows = slots
+        """Rows that may decode at once (a server's slots; None: no limit)."""
+
+    def reset(self, batch_size: int = 0) -> None:
+        self._release(self.rows)
+        self.rows = [self._new_row() for _ in range(batch_size)]
+
+    def _new_row(self) -> _Row:
+        return _Row([], self.free_slots.pop(0) if self.free_slots else None)
+
+    def select(self, keep: list[int]) -> None:
+        kept = set(keep)
+        self._release([r for i, r in enumerate(self.rows) if i not in kept])
+        self.rows = [self.rows[i] for i in keep]
+
+    def _release(self, rows: list[_Row]) -> None:
+        for row in rows:
+            if row.stream is not None:
+                row.stream.close()
+            if row.slot is not None:
+                self.free_slots.append(row.slot)
+        self.free_slots.sort()
+
+    def step(self, feeds: list[list[int]]) -> torch.Tensor:
+        """Append each row's tokens; log-probability rows for what comes next (zeros for rows that
+        fed nothing). A row whose stream predicted its token reads the next prediction; the others
+        start a new stream (all before any is waited for)."""
+        assert len(feeds) == len(self.rows), "rows must match the batch"
+        if not any(feeds):
+            raise ValueError("no row has anything to feed")
+        fed = [i for i, feed in enumerate(feeds) if feed]
+        for i in fed:
+            row, feed = self.rows[i], feeds[i]
+            follows = row.stream is not None and row.next is not None and feed == [row.next.token]
+            row.tokens += feed
+            if not follows:
+                self._open(row)
+        logits = torch.zeros(len(self.rows), self.vocab_size)
+        for i in fed:
+            row = self.rows[i]
+            try:
+                row.next = self._next(row)
+                logits[i] = self._scores(row.next.top)
+            except RemoteError as e:  # this row's request failed: the others go on
+                self.row_errors[i] = str(e)
+                row.stream.close()
+                row.stream = row.next = None
+        return logits
+
+    def pause(self, rows: list[int]) -> None:
+        """These rows wait (for their search): their streams close, the next step opens new ones."""
+        for i in rows:
+            row = self.rows[i]
+            if row.stream is not None:
+                row.stream.close()
+                row.stream = None
+
+    def take_row_errors(self) -> dict[int, str]:
+        errors, self.row_errors = self.row_errors, {}
+        return errors
+
+    def row_info(self, i: int) -> dict | None:
+        info, self.rows[i].info = self.rows[i].info, None
+        return info
+
+    def _open(self, row: _Row) -> None:
+        if row.stream is not None:
+            row.stream.close()
+        row.stream = _Stream(self.server, row.tokens, self._predict_n(row.tokens), self.top_logprobs, row.slot)
+        row.next = None
+        self.calls += 1
+
+    def _next(self, row: _Row) -> Prediction:
+        """The row's next prediction; a stream that ended (its ``max_tokens`` spent, or closed after
+        a stop token the engine did not take) is followed by a new one."""
+        for attempt in range(2):
+            fresh = row.next is None
+            prediction = row.stream.next(self.timeout_s)
+            if prediction is not None:
+                if fresh and row.stream.info is not None:
+                    row.info = dict(row.stream.info)
+                return prediction
+            if attempt == 0:
+                self._open(row)
+        raise RemoteError("the server ended a stream without a token (context full on the server side?)")
+
+    def close(self) -> None:
+        self._release(self.rows)
+        self.rows = []
+        super().close()
+
+
+def remote_runner(cfg, vocab_size: int) -> RemoteRunner:
+    """The runner for an ``engine.remote`` config section: streaming (``stream: true``, the
+    default), or the lookahead runner."""
+    server = make_server(cfg.api, cfg.base_url, model=cfg.model, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+    if cfg.stream:
+        return StreamingRunner(server, vocab_size, top_logprobs=cfg.top_logprobs, timeout_s=cfg.timeout_s)
+    return RemoteRunner(server, vocab_size, lookahead=cfg.lookahead, top_logprobs=cfg.top_logprobs,
+                        parallel=cfg.parallel)

@@ -1,0 +1,154 @@
+"""The streaming remote runner (its exactness: ``tests/test_remote.py``, for both remote runners): one
+server request per stretch between hops (not per token, not per lookahead window), the stream closed
+while a row searches, a slot kept per row, faults kept to their row."""
+
+import time
+
+import pytest
+
+from rig_decode.engine.runner_remote import LlamaCppServer
+from rig_decode.engine.runner_stream import StreamingRunner
+from rig_decode.markers import MarkerSpec, MarkerVocab
+
+from .helpers import tiny_model
+from .remote_helpers import FakeLlamaServer
+from .test_exactness import PROMPTS, _script
+from .test_remote import _engine, _generate, plain_answers
+
+
+def test_one_request_streams_a_whole_answer(model, tok):
+    """With nothing forced and a server no faster than the engine takes its tokens, the answer is one
+    request however long (the lookahead runner: one per window)."""
+    with FakeLlamaServer(model, tok.eos_token_id, token_delay_s=0.05) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok))
+        seq, ref = plain_answers(model, tok, runner)
+    assert seq.token_ids == ref.token_ids and seq.num_generated == 40
+    assert runner.calls == 1 and len(server.requests) == 1
+
+
+def test_a_hop_costs_one_request_and_the_stream_stops_while_the_row_searches(tok_special):
+    model = tiny_model(len(tok_special))
+    vocab = MarkerVocab(tok_special, MarkerSpec.special_token())
+    script = {0: {3: vocab.marker_token_ids("error E1234 fixed in release"),
+                  20: vocab.marker_token_ids("who approved it")}}
+    with FakeLlamaServer(model, tok_special.eos_token_id) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok_special))
+        engine = _engine(model, tok_special, script, runner=runner, max_new_tokens=40)
+        engine.retriever.delay_s = 0.3  # a slow search: time for a stream to run on
+        seq = _generate(engine, tok_special, PROMPTS[:1])[0]
+        local = _generate(_engine(model, tok_special, script, max_new_tokens=40), tok_special, PROMPTS[:1])[0]
+        assert seq.token_ids == local.token_ids and seq.trace.num_hops == 2
+        # a token the script forces off the model's path costs a request; a hop costs one
+        forced = sum(len(ids) for ids in script[0].values())
+        assert runner.calls <= 1 + forced + seq.trace.num_hops
+        # and each stream stopped when its row parked or diverged, not at the end of the context
+        time.sleep(0.5)
+        assert server.decoded < seq.num_generated + 8 * runner.calls, (server.decoded, seq.num_generated)
+
+
+def test_the_batch_is_held_to_the_servers_slots(model, tok):
+    """A stream holds its slot while it lives: three rows on a two-slot server decode two at a time,
+    and all three get the in-process tokens."""
+    script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
+    local = _generate(_engine(model, tok, script), tok, PROMPTS)
+    with FakeLlamaServer(model, tok.eos_token_id, slots=2) as server:
+        engine = _engine(model, tok, script, runner=StreamingRunner(LlamaCppServer(server.url), len(tok)))
+        assert engine.opts.max_batch_size == 2
+        remote = _generate(engine, tok, PROMPTS)
+    assert [s.token_ids for s in remote] == [s.token_ids for s in local]
+    assert {r["slot"] for r in server.requests} == {0, 1}
+
+
+def test_each_row_keeps_its_slot(model, tok):
+    with FakeLlamaServer(model, tok.eos_token_id, slots=4) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok))
+        script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
+        seqs = _generate(_engine(model, tok, script, runner=runner), tok, PROMPTS)
+        by_prompt = {}
+        for r in server.requests:
+            by_prompt.setdefault(r["slot"], []).append(r["prompt_len"])
+    assert len(by_prompt) == len(seqs)  # three rows, three slots, each row's requests on its own
+    for lengths in by_prompt.values():
+        assert lengths == sorted(lengths)  # one row's requests, its context growing
+    assert runner.free_slots == [0, 1, 2, 3]  # given back when the rows ended
+
+
+def test_a_dropped_stream_or_garbage_fails_that_row_alone(model, tok):
+    """A request the server drops, or answers with garbage, ends its row with an engine error naming
+    the server; the other rows of the batch finish as the in-process engine finishes them."""
+    script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
+    local = _generate(_engine(model, tok, script), tok, PROMPTS)
+    for fault in ({"drop_connections": 1}, {"garbage": 1}):
+        with FakeLlamaServer(model, tok.eos_token_id, **fault) as server:
+            runner = StreamingRunner(LlamaCppServer(server.url), len(tok), timeout_s=10)
+            remote = _generate(_engine(model, tok, script, runner=runner), tok, PROMPTS)
+        failed = [s for s in remote if s.finish_reason == "error"]
+        assert len(failed) == 1 and server.url in failed[0].trace.engine_errors[0], fault
+        for a, b in zip(local, remote):
+            assert b is failed[0] or (b.token_ids == a.token_ids and b.finish_reason == a.finish_reason)
+
+
+def test_rig_serve_on_the_remote_backend_answers_the_openai_client(model, tok):
+    """``rig serve --backend remote``: plain and streaming (with hop events) through the official client."""
+    openai = pytest.importorskip("openai")
+    from rig_decode import RigConfig, RigSession
+    from rig_decode.server import create_app
+
+    from .helpers import ScriptedRetriever
+    from .server_helpers import serve
+
+    question = "Which release fixed error E1234 and who approved it?"
+    cfg = RigConfig().updated(model={"max_tokens": 30, "adapter": None},
+                              rig={"retrieve_first": True, "max_query_tokens": 8})
+    local_answer, _ = RigSession(cfg, model=model, tokenizer=tok, retriever=ScriptedRetriever()).ask(question)
+    with FakeLlamaServer(model, tok.eos_token_id) as llama:
+        remote = cfg.updated(engine={"backend": "remote", "remote": {"base_url": llama.url}})
+        session = RigSession(remote, tokenizer=tok, retriever=ScriptedRetriever())
+        with serve(create_app(remote.updated(server={"model_name": "tiny"}), engine=session.engine)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            messages = [{"role": "user", "content": question}]
+            plain = client.chat.completions.create(model="tiny", messages=messages)
+            text, hops = [], []
+            for chunk in client.chat.completions.create(model="tiny", messages=messages, stream=True):
+                if chunk.choices:
+                    text.append(chunk.choices[0].delta.content or "")
+                elif "hop" in (chunk.model_extra.get("rig") or {}):
+                    hops.append(chunk.model_extra["rig"]["hop"]["query"])
+        session.close()
+    assert plain.choices[0].message.content == "".join(text) == local_answer
+    assert len(hops) == plain.model_extra["rig"]["num_hops"] == 1
+    assert [h["query"] for h in plain.model_extra["rig"]["hops"]] == hops
+    assert all(r["stream"] for r in llama.requests)
+
+
+def test_an_openai_server_stream_is_read_as_vllm_writes_it():
+    """vLLM's streamed /v1/completions (its serving code's chunk shapes): token ids per chunk, top
+    log-probabilities keyed ``token_id:N``, the cached prompt tokens on the final usage chunk."""
+    import json
+
+    import httpx
+
+    from rig_decode.engine.runner_remote import OpenAICompletionServer
+
+    chunks = [{"choices": [{"index": 0, "text": "", "token_ids": [5],
+                            "logprobs": {"top_logprobs": [{"token_id:5": -0.1, "token_id:7": -2.5}]}}]},
+              {"choices": [{"index": 0, "text": "", "token_ids": [7, 9],
+                            "logprobs": {"top_logprobs": [{"token_id:7": -0.2}, {"token_id:9": -0.3,
+                                                                                 "token_id:2": -1.0}]}}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}}}]
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    server = OpenAICompletionServer("http://vllm", model="m")
+    server.http = httpx.Client(base_url="http://vllm", transport=httpx.MockTransport(handler))
+    events = list(server.stream_completion([1, 2, 3], 10, 2))
+    preds = [p for ps, _ in events for p in ps]
+    assert [p.token for p in preds] == [5, 7, 9]
+    assert preds[0].top == [(5, -0.1), (7, -2.5)] and preds[2].top == [(9, -0.3), (2, -1.0)]
+    assert [info for _, info in events if info] == [{"cache_n": 2, "prompt_n": 1}]
+    body = seen[0]
+    assert body["prompt"] == [1, 2, 3] and body["stream"] and body["return_token_ids"] and body["logprobs"] == 2
