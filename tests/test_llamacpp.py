@@ -102,6 +102,7 @@ def test_the_demo_on_llama_server_gives_the_in_process_answers(merged_server, ru
 
     questions = [q["question"] for q in
                  json.loads((resources.files("rig_decode") / "data" / "demo_questions.json").read_text())]
+    questions = questions[:2] if rules else questions  # the rules' variant on two of them (CI time)
     cfg = RigConfig().updated(model={"max_tokens": 160}, rig=rules)
     with RigSession(cfg) as session:
         expected = session.ask_batch(questions)

@@ -35,6 +35,7 @@ def test_a_hop_costs_one_request_and_the_stream_stops_while_the_row_searches(tok
         runner = StreamingRunner(LlamaCppServer(server.url), len(tok_special))
         engine = _engine(model, tok_special, script, runner=runner, max_new_tokens=40)
         engine.retriever.delay_s = 0.3  # a slow search: time for a stream to run on
+        assert runner.stop_after == {tok_special.convert_tokens_to_ids("<|endofretrieve|>")}
         seq = _generate(engine, tok_special, PROMPTS[:1])[0]
         local = _generate(_engine(model, tok_special, script, max_new_tokens=40), tok_special, PROMPTS[:1])[0]
         assert seq.token_ids == local.token_ids and seq.trace.num_hops == 2
@@ -50,9 +51,10 @@ def test_the_batch_is_held_to_the_servers_slots(model, tok):
     """A stream holds its slot while it lives: three rows on a two-slot server decode two at a time,
     and all three get the in-process tokens."""
     script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
-    local = _generate(_engine(model, tok, script), tok, PROMPTS)
+    local = _generate(_engine(model, tok, script, max_new_tokens=40), tok, PROMPTS)
     with FakeLlamaServer(model, tok.eos_token_id, slots=2) as server:
-        engine = _engine(model, tok, script, runner=StreamingRunner(LlamaCppServer(server.url), len(tok)))
+        engine = _engine(model, tok, script, runner=StreamingRunner(LlamaCppServer(server.url), len(tok)),
+                         max_new_tokens=40)
         assert engine.opts.max_batch_size == 2
         remote = _generate(engine, tok, PROMPTS)
     assert [s.token_ids for s in remote] == [s.token_ids for s in local]
@@ -63,7 +65,7 @@ def test_each_row_keeps_its_slot(model, tok):
     with FakeLlamaServer(model, tok.eos_token_id, slots=4) as server:
         runner = StreamingRunner(LlamaCppServer(server.url), len(tok))
         script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
-        seqs = _generate(_engine(model, tok, script, runner=runner), tok, PROMPTS)
+        seqs = _generate(_engine(model, tok, script, runner=runner, max_new_tokens=40), tok, PROMPTS)
         by_prompt = {}
         for r in server.requests:
             by_prompt.setdefault(r["slot"], []).append(r["prompt_len"])
@@ -77,11 +79,11 @@ def test_a_dropped_stream_or_garbage_fails_that_row_alone(model, tok):
     """A request the server drops, or answers with garbage, ends its row with an engine error naming
     the server; the other rows of the batch finish as the in-process engine finishes them."""
     script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
-    local = _generate(_engine(model, tok, script), tok, PROMPTS)
+    local = _generate(_engine(model, tok, script, max_new_tokens=40), tok, PROMPTS)
     for fault in ({"drop_connections": 1}, {"garbage": 1}):
         with FakeLlamaServer(model, tok.eos_token_id, **fault) as server:
             runner = StreamingRunner(LlamaCppServer(server.url), len(tok), timeout_s=10)
-            remote = _generate(_engine(model, tok, script, runner=runner), tok, PROMPTS)
+            remote = _generate(_engine(model, tok, script, runner=runner, max_new_tokens=40), tok, PROMPTS)
         failed = [s for s in remote if s.finish_reason == "error"]
         assert len(failed) == 1 and server.url in failed[0].trace.engine_errors[0], fault
         for a, b in zip(local, remote):

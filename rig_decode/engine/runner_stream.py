@@ -38,27 +38,29 @@ _END = object()
 STREAM_TOKENS = 1024
 """The most tokens one request asks for (bounded by the context too)."""
 
-RUN_AHEAD = 4
+RUN_AHEAD = 16
 """Predictions a stream may hold that the engine has not taken yet. The server decodes as fast as it
 can, whatever the engine's pace (at a high concurrency on shared cores, faster): past this, the
 stream closes itself, and the engine opens a new one (its prompt cached) when it has caught up. So
-a hop or a forced token wastes at most this many decoded tokens, not everything up to the end."""
+a forced token wastes at most this many decoded tokens, not everything up to the end (a hop wastes
+next to none: the stream closes at the end delimiter, ``stop_after``)."""
 
 
 class _Stream:
     """One streamed completion: a thread reads the server's predictions into a queue."""
 
-    def __init__(self, server, tokens: list[int], max_tokens: int, top_logprobs: int, slot: int | None):
+    def __init__(self, server, tokens: list[int], max_tokens: int, top_logprobs: int, slot: int | None,
+                 stop_after: frozenset[int] = frozenset()):
         self.predictions: queue.Queue = queue.Queue()
         self.info: dict | None = None
         """The server's accounting of the prompt (tokens from its cache, tokens evaluated)."""
         self.closed = False
         self.response = None
         self.thread = threading.Thread(target=self._read, name="rig-remote-stream", daemon=True,
-                                       args=(server, list(tokens), max_tokens, top_logprobs, slot))
+                                       args=(server, list(tokens), max_tokens, top_logprobs, slot, stop_after))
         self.thread.start()
 
-    def _read(self, server, tokens, max_tokens, top_logprobs, slot) -> None:
+    def _read(self, server, tokens, max_tokens, top_logprobs, slot, stop_after) -> None:
         try:
             for preds, info in server.stream_completion(tokens, max_tokens, top_logprobs, slot,
                                                         cancelled=lambda: self.closed, opened=self._opened):
@@ -66,7 +68,9 @@ class _Stream:
                     self.info = info
                 for p in preds:
                     self.predictions.put(p)
-                if self.predictions.qsize() >= RUN_AHEAD:  # far enough ahead of the engine: stop here
+                    if p.token in stop_after:  # an end delimiter: the row parks for its search next
+                        self.closed = True
+                if self.closed or self.predictions.qsize() >= RUN_AHEAD:  # (or far enough ahead of the engine)
                     self.closed = True
                     break
         except BaseException as e:  # noqa: BLE001 - the engine's thread raises it for this row
@@ -127,6 +131,9 @@ class StreamingRunner(RemoteRunner):
         self.free_slots = list(range(slots)) if slots else []
         self.max_rows = slots
         """Rows that may decode at once (a server's slots; None: no limit)."""
+        self.stop_after: frozenset[int] = frozenset()
+        """Tokens after which a stream closes itself (the engine sets its end delimiter's, where it
+        is one token): the server stops then, not when the engine gets there."""
 
     def reset(self, batch_size: int = 0) -> None:
         self._release(self.rows)
@@ -193,7 +200,8 @@ class StreamingRunner(RemoteRunner):
     def _open(self, row: _Row) -> None:
         if row.stream is not None:
             row.stream.close()
-        row.stream = _Stream(self.server, row.tokens, self._predict_n(row.tokens), self.top_logprobs, row.slot)
+        row.stream = _Stream(self.server, row.tokens, self._predict_n(row.tokens), self.top_logprobs, row.slot,
+                             self.stop_after)
         row.next = None
         self.calls += 1
 
