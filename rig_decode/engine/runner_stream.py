@@ -193,10 +193,6 @@ class StreamingRunner(RemoteRunner):
         errors, self.row_errors = self.row_errors, {}
         return errors
 
-    def row_info(self, i: int) -> dict | None:
-        info, self.rows[i].info = self.rows[i].info, None
-        return info
-
     def _open(self, row: _Row) -> None:
         if row.stream is not None:
             row.stream.close()
