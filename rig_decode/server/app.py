@@ -115,7 +115,6 @@ class Server:
         if isinstance(req, CompletionRequest) and req.rig.conversation_id is not None:
             raise ApiError(400, "rig.conversation_id needs /v1/chat/completions (a completion prompt has no place "
                                 "for the conversation's evidence)", param="rig.conversation_id")
-        self.prompts.check_size(req)
         memory = self.memory(tenant, req.rig.conversation_id)
         self.preparing += 1
         try:
