@@ -10,6 +10,9 @@ prompt token ids and runs at each ``--concurrency`` (1 and 8). Systems (``--syst
 
 * ``rig-hf``           rig in process (``engine.backend: hf``): evidence spliced into the KV cache;
 * ``rig-vllm-stream``  rig on vLLM in process, one resumable request per row (``engine.vllm.mode: stream``);
+* ``vllm-alone``       vLLM with no rig in the loop: the same prompts, each decoded for as many tokens as
+                       rig-vllm-stream generated for it (no hops, no log-probabilities), the bound
+                       rig-vllm-stream's decoding between hops is measured against;
 * ``rig-vllm-prefix``  rig on vLLM, a new request per call, vLLM's prefix cache (``mode: prefix``);
 * ``rig-llama``        rig on llama-server (``engine.backend: remote``; ``--llama-server URL``): one
                        streamed request per stretch between hops, each row on its own slot;
@@ -32,10 +35,13 @@ llama-server what the engine reported: ``prompt_n`` in the hop's trace, or promp
 positions at which the re-tokenised prompt's ids differ from the ids the model had for the same
 text, i.e. the previous round's prompt plus what it generated; rig never re-tokenises: 0),
 end-to-end generated tokens/s at each concurrency (all rows' generated tokens over the run's wall
-time), p95 request latency (admission to last token, at the highest concurrency), and answers equal
+time), decode tokens/s (``dec/s``: each row's generated tokens over its time less its hops', summed
+over rows), engine calls (rig's runner: requests, streams or chunks), p95 request latency
+(admission to last token, at the highest concurrency), and answers equal
 to rig-hf's (count/total, against rig-hf at the lowest concurrency). A system whose engine is
 missing is reported as skipped with the reason. stdout: a table, the ratios rig-vllm-stream vs
-resubmit-vllm (per hop, end to end at the highest concurrency), then ONE JSON line last.
+resubmit-vllm and rig-llama vs resubmit-llama (per hop, end to end), rig-vllm-stream's decoding
+against vllm-alone's, then ONE JSON line last.
 
     python bench/peers.py [--dataset out/synth/test.jsonl] [--questions 16] [--search-ms 150]
                           [--concurrency 1,8] [--systems rig-hf,rig-vllm-stream,...] [--llama-server URL]
@@ -196,7 +202,7 @@ def main(argv=None) -> int:
     if "rig-hf" in wanted:
         systems.append(rig_system("rig-hf", None, cfg, model))
 
-    vllm_names = [n for n in ("rig-vllm-stream", "rig-vllm-prefix", "resubmit-vllm") if n in wanted]
+    vllm_names = [n for n in ("rig-vllm-stream", "vllm-alone", "rig-vllm-prefix", "resubmit-vllm") if n in wanted]
     if vllm_names:
         from rig_decode.engine.vllm_api import VllmMissingError, load_vllm_api
 

@@ -14,8 +14,8 @@ from rig_decode.eval.metrics import contains_answer, percentile
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script (the tests load this file)
 from harness import Table  # noqa: E402
 
-SYSTEMS = ("rig-hf", "rig-vllm-stream", "rig-vllm-prefix", "rig-llama", "rig-llama-lookahead", "resubmit-vllm",
-           "resubmit-llama")
+SYSTEMS = ("rig-hf", "rig-vllm-stream", "vllm-alone", "rig-vllm-prefix", "rig-llama", "rig-llama-lookahead",
+           "resubmit-vllm", "resubmit-llama")
 """Every system, in the order the report lists them."""
 REFERENCE = "rig-hf"
 
@@ -45,11 +45,22 @@ class RunResult:
     finish: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     """Engine errors of the run's rows (a failed row's reason)."""
+    calls: int | None = None
+    """Requests rig's runner made of the engine it drives (a chunk, a stream, a lookahead window)."""
 
     @property
     def tok_s(self) -> float:
         return sum(self.generated) / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens per second of a row's own decoding: its generated tokens over its time less its hops'
+        (marker to the first token after the evidence), summed over rows."""
+        hop_ms = [0.0] * len(self.latency_ms)
+        for h in self.hops:
+            hop_ms[h.question] += h.ms or 0.0
+        seconds = sum(max(0.0, t - h) for t, h in zip(self.latency_ms, hop_ms)) / 1e3
+        return round(sum(self.generated) / seconds, 2) if seconds > 0 else None
 
 
 def _p(values, q=50):
@@ -72,20 +83,22 @@ def summarize(runs: dict[str, dict[int, RunResult]], gold: list[list[str]] | Non
              **{f"tok_s_c{c}": round(by_c[c].tok_s, 2) for c in cs},
              "p95_ms": _p(high.latency_ms, 95),
              "retokenized": low.retokenized,
-             "same_answers": (f"{sum(a == b for a, b in zip(low.answers, ref))}/{len(ref)}" if ref is not None
-                              else None)}
+             "same_answers": (f"{sum(a == b for a, b in zip(low.answers, ref))}/{len(ref)}"
+                              if ref is not None and low.answers else None),
+             "calls": low.calls}
         for c in cs:
             r = by_c[c]
             s[f"per_hop_ms_c{c}"] = _p([h.ms for h in r.hops])
             s[f"p95_ms_c{c}"] = _p(r.latency_ms, 95)
-            if ref is not None:
+            s[f"decode_tok_s_c{c}"] = r.decode_tok_s
+            if ref is not None and r.answers:
                 s[f"same_answers_c{c}"] = f"{sum(a == b for a, b in zip(r.answers, ref))}/{len(ref)}"
         s["retokenized_hops"] = low.retokenized_hops
         s["hops"] = len(low.hops)
         evaluated = [h.evaluated for h in low.hops if h.evaluated is not None]
         s["hop_tokens_evaluated_mean"] = round(statistics.mean(evaluated), 1) if evaluated else None
         s["generated_tokens"] = sum(low.generated)
-        if gold is not None:
+        if gold is not None and low.answers:
             s["accuracy"] = round(statistics.mean(contains_answer(a, g) for a, g in zip(low.answers, gold)), 3)
         s["finish"] = {k: low.finish.count(k) for k in sorted(set(low.finish))}
         errors = [e for c in cs for e in by_c[c].errors]
@@ -97,6 +110,17 @@ def summarize(runs: dict[str, dict[int, RunResult]], gold: list[list[str]] | Non
 
 PAIRS = {"ratios": ("rig-vllm-stream", "resubmit-vllm"), "ratios_llama": ("rig-llama", "resubmit-llama")}
 """Result keys of rig's ratios against the resubmit loop, on each engine."""
+ALONE = ("rig-vllm-stream", "vllm-alone")
+"""rig's decoding between hops against vLLM decoding the same rows alone (``decode_vs_alone``)."""
+
+
+def decode_vs_alone(summary: dict[str, dict], concurrency: list[int]) -> dict:
+    a, b = summary.get(ALONE[0]) or {}, summary.get(ALONE[1]) or {}
+    out = {}
+    for c in concurrency:
+        x, y = a.get(f"decode_tok_s_c{c}"), b.get(f"decode_tok_s_c{c}")
+        out[f"c{c}"] = round(x / y, 3) if x and y else None
+    return out
 
 
 def ratios(summary: dict[str, dict], concurrency: list[int], rig: str = "rig-vllm-stream",
@@ -127,8 +151,9 @@ def print_report(result: dict, out=None) -> None:
     cols = ([("hop ms", "per_hop_ms")] + [(f"hop ms c{c}", f"per_hop_ms_c{c}") for c in cs if c != min(cs)]
             + [("hop eval", "hop_tokens_evaluated"), ("hops", "hops")]
             + [(f"tok/s c{c}", f"tok_s_c{c}") for c in cs]
-            + [(f"p95 ms c{hi}", "p95_ms"), ("retok", "retokenized"), ("same ans", "same_answers"),
-               ("acc", "accuracy")])
+            + [(f"dec/s c{c}", f"decode_tok_s_c{c}") for c in cs]
+            + [(f"p95 ms c{hi}", "p95_ms"), ("calls", "calls"), ("retok", "retokenized"),
+               ("same ans", "same_answers"), ("acc", "accuracy")])
     table = Table(("system", "<"), *((h, _fmt) for h, _ in cols))
     for name, s in result["systems"].items():
         if "skipped" in s or "error" in s:
@@ -142,6 +167,10 @@ def print_report(result: dict, out=None) -> None:
             per_hop = ", ".join(f"c{c} {_fmt(r.get(f'per_hop_c{c}'))}x" for c in cs)
             end = ", ".join(f"c{c} {_fmt(r.get(f'end_to_end_c{c}'))}x" for c in cs)
             print(f"{rig} vs {peer}: per hop {per_hop} faster; tokens/s {end}", file=out)
+    alone = result.get("decode_vs_alone") or {}
+    if any(v is not None for v in alone.values()):
+        print(f"{ALONE[0]} decoding between hops vs {ALONE[1]} on the same rows: "
+              + ", ".join(f"c{c} {_fmt(alone.get(f'c{c}'))}x" for c in cs), file=out)
 
 
 def result_json(summary: dict, skipped: dict[str, str], errors: dict[str, str], concurrency: list[int],
@@ -154,4 +183,5 @@ def result_json(summary: dict, skipped: dict[str, str], errors: dict[str, str], 
     order = {n: i for i, n in enumerate(SYSTEMS)}
     systems = dict(sorted(systems.items(), key=lambda kv: order.get(kv[0], len(order))))
     return {"bench": "peers", **config, "concurrency": concurrency, "systems": systems,
-            **{key: ratios(summary, concurrency, rig, peer) for key, (rig, peer) in PAIRS.items()}}
+            **{key: ratios(summary, concurrency, rig, peer) for key, (rig, peer) in PAIRS.items()},
+            "decode_vs_alone": decode_vs_alone(summary, concurrency)}

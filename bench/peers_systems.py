@@ -41,6 +41,7 @@ def run_rig(name: str, build_engine: Callable[[int], object], prompts: list[list
         t0 = time.perf_counter()
         engine.generate(seqs)
         wall = time.perf_counter() - t0
+        calls = getattr(getattr(engine, "runner", None), "calls", None)
     finally:
         engine.close()
     hops = [Hop(s.seq_id, step.first_token_ms, _evaluated(step)) for s in seqs for step in s.trace.retrieval_steps
@@ -48,7 +49,34 @@ def run_rig(name: str, build_engine: Callable[[int], object], prompts: list[list
     return RunResult(name, concurrency, wall, [s.matcher.visible_text().strip() for s in seqs],
                      [s.trace.generated_tokens for s in seqs], [s.trace.total_ms - s.trace.queue_ms for s in seqs],
                      hops, finish=[s.finish_reason or "" for s in seqs],
-                     errors=[e for s in seqs for e in s.trace.engine_errors])
+                     errors=[e for s in seqs for e in s.trace.engine_errors], calls=calls)
+
+
+def run_alone(engine, api, loop, prompts: list[list[int]], concurrency: int, counts: list[int]) -> RunResult:
+    """vLLM with no rig in the loop: each prompt decoded greedily for exactly ``counts[i]`` tokens (what
+    rig generated for it), ``concurrency`` requests at a time, no log-probabilities asked for."""
+    import asyncio
+    import uuid
+
+    async def one(i, gate):
+        async with gate:
+            t0 = time.perf_counter()
+            params = api.SamplingParams(max_tokens=max(1, counts[i]), temperature=0.0, ignore_eos=True,
+                                        output_kind=api.RequestOutputKind.FINAL_ONLY)
+            final = None
+            async for out in engine.generate(api.TokensPrompt(prompt_token_ids=list(prompts[i])), params,
+                                             f"alone-{uuid.uuid4().hex[:12]}"):
+                final = out
+            return len(final.outputs[0].token_ids), (time.perf_counter() - t0) * 1e3
+
+    async def every():
+        gate = asyncio.Semaphore(concurrency)
+        return await asyncio.gather(*(one(i, gate) for i in range(len(prompts))))
+
+    t0 = time.perf_counter()
+    done = loop.run(every())
+    return RunResult("vllm-alone", concurrency, time.perf_counter() - t0, [], [n for n, _ in done],
+                     [ms for _, ms in done])
 
 
 def _evaluated(step) -> int:
@@ -81,7 +109,7 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
     then runs now, not at interpreter exit (where vLLM's module globals are gone)."""
     import gc
 
-    from rig_decode.engine.runner_vllm import VllmRunner
+    from rig_decode.engine.runner_vllm import vllm_runner_on
 
     loop, engine = _vllm_engine(vcfg, api)
     held = {"engine": engine}
@@ -89,8 +117,12 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
     v = vcfg.engine.vllm
     reset = _reset_prefix_cache(held, loop)
     systems, completers = [], []
+    counts: dict[int, list[int]] = {}  # rig-vllm-stream's tokens per row, by concurrency: vllm-alone decodes as many
     for n in names:
-        if n == "resubmit-vllm":
+        if n == "vllm-alone":
+            systems.append(System(n, lambda p, c, k: run_alone(held["engine"], api, loop, p, c,
+                                                               counts.get(c) or [k] * len(p)), reset))
+        elif n == "resubmit-vllm":
             complete = VllmCompleter(held["engine"], api, loop)
             completers.append(complete)
             systems.append(System(n, lambda p, c, k, complete=complete: run_resubmit(
@@ -98,9 +130,12 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
                 reset))
         else:
             mode = n.rsplit("-", 1)[1]
-            systems.append(rig_system(n, lambda c, mode=mode: VllmRunner(
+            system = rig_system(n, lambda c, mode=mode: vllm_runner_on(
                 held["engine"], api, len(tokenizer), mode=mode, top_logprobs=v.top_logprobs, lookahead=v.lookahead,
-                context_limit=v.max_model_len, loop=loop, owns_loop=False), vcfg, None, reset))
+                context_limit=v.max_model_len, loop=loop, owns_loop=False), vcfg, None, reset)
+            if mode == "stream":
+                system.run = _recording(system.run, counts)
+            systems.append(system)
 
     def stop():
         async def shutdown(engine):
@@ -116,6 +151,15 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
             loop.close()
 
     return systems, stop
+
+
+def _recording(run, counts: dict[int, list[int]]):
+    def recorded(prompts, concurrency, max_new_tokens):
+        result = run(prompts, concurrency, max_new_tokens)
+        counts[concurrency] = list(result.generated)
+        return result
+
+    return recorded
 
 
 def _reset_prefix_cache(held: dict, loop):

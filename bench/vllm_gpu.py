@@ -40,7 +40,7 @@ from pathlib import Path
 
 from rig_decode.config import RigConfig
 from rig_decode.engine import EngineOptions, RigEngine
-from rig_decode.engine.runner_vllm import EventLoopThread, VllmRunner
+from rig_decode.engine.runner_vllm import EventLoopThread, vllm_runner_on
 from rig_decode.engine.vllm_api import VllmMissingError, engine_args_kwargs, load_vllm_api
 from rig_decode.evidence import EvidenceFormatter
 from rig_decode.markers import MarkerSpec
@@ -136,7 +136,7 @@ def _median(values):
 
 
 def run_rig(engine, api, tokenizer, loop, mode: str, args, prompt_ids) -> tuple[dict, list]:
-    runner = VllmRunner(engine, api, len(tokenizer), mode=mode, top_logprobs=args.top_logprobs,
+    runner = vllm_runner_on(engine, api, len(tokenizer), mode=mode, top_logprobs=args.top_logprobs,
                         lookahead=args.lookahead, context_limit=args.max_model_len, loop=loop)
     options = EngineOptions(max_iterations=args.hops, evidence_token_budget=args.evidence_tokens, top_k=TOP_K,
                             max_batch_size=len(prompt_ids))

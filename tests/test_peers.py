@@ -14,7 +14,7 @@ import torch
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.engine.runner_remote import LlamaCppServer
 from rig_decode.engine.runner_stream import StreamingRunner
-from rig_decode.engine.runner_vllm import EventLoopThread, VllmRunner
+from rig_decode.engine.runner_vllm import EventLoopThread, vllm_runner_on
 from rig_decode.markers import MarkerSpec
 from rig_decode.prompt import build_prompt
 
@@ -100,8 +100,9 @@ def test_peers_on_stand_ins(setup):
             systems.System("rig-hf", lambda p, c, n: systems.run_rig(
                 "rig-hf", lambda c: _rig_engine(tok, retriever, policy, c, model=model), p, c, n)),
             systems.System("rig-vllm-stream", lambda p, c, n: systems.run_rig(
-                "rig-vllm-stream", lambda c: _rig_engine(tok, retriever, policy, c, runner=VllmRunner(
-                    FakeAsyncLLM(model, tok.eos_token_id), api, len(tok), mode="stream", context_limit=2048,
+                "rig-vllm-stream", lambda c: _rig_engine(tok, retriever, policy, c, runner=vllm_runner_on(
+                    FakeAsyncLLM(model, tok.eos_token_id, logits_processors=[vllm_policy_processor(policy)]), api,
+                    len(tok), mode="stream", context_limit=2048,
                     timeout_s=120)), p, c, n)),
             systems.System("rig-llama", lambda p, c, n: systems.run_rig(
                 "rig-llama", lambda c: _rig_engine(tok, retriever, policy, c, runner=StreamingRunner(

@@ -35,7 +35,7 @@ def test_a_hop_costs_one_request_and_the_stream_stops_while_the_row_searches(tok
         runner = StreamingRunner(LlamaCppServer(server.url), len(tok_special))
         engine = _engine(model, tok_special, script, runner=runner, max_new_tokens=40)
         engine.retriever.delay_s = 0.3  # a slow search: time for a stream to run on
-        assert runner.stop_after == {tok_special.convert_tokens_to_ids("<|endofretrieve|>")}
+        assert runner.stop_after == {tok_special.convert_tokens_to_ids("<|endofretrieve|>"), *engine.stop_ids}
         seq = _generate(engine, tok_special, PROMPTS[:1])[0]
         local = _generate(_engine(model, tok_special, script, max_new_tokens=40), tok_special, PROMPTS[:1])[0]
         assert seq.token_ids == local.token_ids and seq.trace.num_hops == 2

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,15 +15,15 @@ import pytest
 import torch
 
 from rig_decode.config import ConfigError, RigConfig
-from rig_decode.engine.runner_vllm import VllmRunner, vllm_runner
+from rig_decode.engine.runner_vllm import vllm_runner, vllm_runner_on
 from rig_decode.engine.vllm_api import CPU_KV_CACHE_GIB, LOGITS_PROCESSOR, VllmMissingError, engine_args_kwargs, load_vllm_api
 from rig_decode.engine.vllm_logits import EXTRA_ARGS_KEY, MarkerLogitsState, MarkerRules
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
-from .helpers import ScriptedRetriever, load_script
+from .helpers import ScriptedRetriever, load_script, tiny_model
 from .test_exactness import PROMPTS, _script
 from .test_remote import _engine, _generate
-from .vllm_helpers import FakeAsyncLLM, SamplingParams, StandInMarkerProcessor, TokensPrompt, fake_api
+from .vllm_helpers import FakeAsyncLLM, SamplingParams, StandInMarkerProcessor, TokensPrompt, fake_api, writes_like
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = {"plain": {}, "first-hop-and-cap": {"retrieve_first": True, "max_query_tokens": 6}}
@@ -42,7 +41,7 @@ def _local(model, tok, script, name):
 
 def _runner(model, tok, mode, fake=None, **kwargs):
     fake = fake or FakeAsyncLLM(model, tok.eos_token_id)
-    return fake, VllmRunner(fake, fake_api(model, tok.eos_token_id), len(tok), mode=mode, context_limit=2048,
+    return fake, vllm_runner_on(fake, fake_api(model, tok.eos_token_id), len(tok), mode=mode, context_limit=2048,
                             timeout_s=120, **kwargs)
 
 
@@ -65,37 +64,68 @@ def test_vllm_runner_gives_the_in_process_tokens(model, tok, mode, name):
                 continue
             info = step.info["server"]
             assert info["mode"] == mode
-            if mode == "stream":  # the hop's chunk: the marker-completing token and the evidence, nothing else
+            if mode == "stream" and info["cache_n"] != info["num_cached_tokens"]:  # the session went on: the hop's
+                assert info["cache_n"] == step.position - 1, info  # chunk is the marker token and the evidence
                 assert info["prompt_n"] == step.evidence_tokens + 1, info
-                assert info["cache_n"] == step.position - 1, info
                 # vLLM's own figure is still the session's first prefix-cache lookup, not what it kept
                 assert info["num_cached_tokens"] in first_lookups and info["num_cached_tokens"] < info["cache_n"]
-            else:  # the prefix cache holds whole blocks: at most the partial last one is evaluated again
-                assert info["num_cached_tokens"] == info["cache_n"]
-                assert info["prompt_n"] < step.evidence_tokens + 1 + fake.block_size, info
+            else:  # a new request (in stream mode: a forced token ended the session): whole blocks cached, at
+                assert info["num_cached_tokens"] == info["cache_n"]  # most the partial last one evaluated again
+                assert info["cache_n"] % fake.block_size == 0
                 assert info["cache_n"] + info["prompt_n"] == step.position + step.evidence_tokens
 
 
-def test_stream_sessions_send_each_token_once_and_end_with_their_rows(model, tok):
+def test_stream_mode_decodes_freely_and_a_hop_is_one_call(tok_special):
+    """A model that writes its markers itself (the stand-in steered to what the engine takes): each
+    row's answer is one chunk per stretch between hops, stopping at the end delimiter; each hop
+    evaluates the marker token and the evidence on the session's KV; sessions end with their rows."""
+    tok, model = tok_special, tiny_model(len(tok_special))
     script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
-    fake, runner = _runner(model, tok, "stream")
+    local = _generate(_engine(model, tok, script), tok, PROMPTS)
+    fake, runner = _runner(model, tok, "stream", fake=FakeAsyncLLM(model, tok.eos_token_id, steer=writes_like(local)))
     engine = _engine(model, tok, script, runner=runner)
     out = _generate(engine, tok, PROMPTS)
+    assert [s.token_ids for s in out] == [s.token_ids for s in local]
+    hops = sum(s.trace.num_hops for s in out)
+    assert runner.calls == len(PROMPTS) + hops, (runner.calls, hops)
     chunks = [r for r in fake.requests if r["kind"] == "chunk"]
-    assert chunks and all(r["max_tokens"] == 1 for r in chunks)
-    sent = defaultdict(int)
-    for r in chunks:
-        sent[r["id"]] += r["chunk_len"]
-    # each session was sent every token of its row once, except the last one sampled (no re-prefill:
-    # a token the engine chose over vLLM's pick simply starts the next chunk)
-    assert sorted(sent.values()) == sorted(len(s.token_ids) - 1 for s in out)
-    # a finished row's session ends in the background, without waiting for the runner to close
+    assert len({r["id"] for r in chunks}) == len(PROMPTS)  # one session per row, never restarted
+    assert all(r["max_tokens"] > 100 and tok.eos_token_id in r["stop_token_ids"] for r in chunks)
+    for s in out:
+        for step in s.trace.retrieval_steps:
+            info = step.info["server"]
+            assert (info["cache_n"], info["prompt_n"]) == (step.position - 1, step.evidence_tokens + 1), info
+    # vLLM decoded little past what the engine took: up to each row's end (where the engine stopped it)
+    decoded = sum(r["decoded"] for r in chunks)
+    assert decoded <= sum(s.num_generated for s in out) + 4 * len(chunks), decoded
     deadline = time.monotonic() + 10
     while fake.sessions_open and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not fake.sessions_open and len(fake.sessions_ended) == len(PROMPTS)
     engine.close()
     assert fake.shut_down is False  # an injected engine belongs to its owner
+
+
+def test_a_session_that_dies_mid_chunk_fails_its_row_alone(model, tok):
+    class DiesMidChunk(FakeAsyncLLM):
+        started = 0
+
+        async def generate(self, prompt, sampling_params, request_id):
+            self.started += 1
+            doomed, k = self.started == 2, 0  # the second row's session
+            async for out in super().generate(prompt, sampling_params, request_id):
+                yield out
+                k += 1
+                if doomed and k == 3:
+                    raise RuntimeError("vLLM's engine core died")
+
+    local = _generate(_engine(model, tok, {}, max_new_tokens=20), tok, PROMPTS)
+    fake, runner = _runner(model, tok, "stream", fake=DiesMidChunk(model, tok.eos_token_id))
+    out = _generate(_engine(model, tok, {}, runner=runner, max_new_tokens=20), tok, PROMPTS)
+    runner.close()
+    assert "engine core died" in " ".join(out[1].trace.engine_errors)
+    assert [s.token_ids for s in (out[0], out[2])] == [s.token_ids for s in (local[0], local[2])]
+    assert not out[0].trace.engine_errors and not out[2].trace.engine_errors
 
 
 def test_prefix_mode_serves_steps_from_the_lookahead(model, tok):
@@ -111,11 +141,11 @@ def test_prefix_mode_serves_steps_from_the_lookahead(model, tok):
 
 def test_auto_mode_follows_what_vllm_has(model, tok):
     fake = FakeAsyncLLM(model, tok.eos_token_id)
-    with_stream = VllmRunner(fake, fake_api(model, tok.eos_token_id), len(tok))
-    without = VllmRunner(fake, fake_api(model, tok.eos_token_id, streaming=False), len(tok))
+    with_stream = vllm_runner_on(fake, fake_api(model, tok.eos_token_id), len(tok))
+    without = vllm_runner_on(fake, fake_api(model, tok.eos_token_id, streaming=False), len(tok))
     assert (with_stream.mode, without.mode) == ("stream", "prefix")
     with pytest.raises(ValueError, match="StreamingInput"):
-        VllmRunner(fake, fake_api(model, tok.eos_token_id, streaming=False), len(tok), mode="stream")
+        vllm_runner_on(fake, fake_api(model, tok.eos_token_id, streaming=False), len(tok), mode="stream")
     for r in (with_stream, without):
         r.close()
 
@@ -137,7 +167,9 @@ def test_a_session_with_the_vllm_backend_answers_like_the_in_process_one(model, 
     session.close()
     assert answer == local_answer and trace.num_hops == local_trace.num_hops == 1
     info = trace.retrieval_steps[0].info["server"]
-    assert info["mode"] == "stream" and info["prompt_n"] == trace.retrieval_steps[0].evidence_tokens + 1
+    # the forced first marker and query cap ended sessions (the stand-in model does not write markers):
+    # the hop's request took the prefix cache's whole blocks and evaluated the rest
+    assert info["mode"] == "stream" and info["prompt_n"] <= trace.retrieval_steps[0].evidence_tokens + 16
     (engine,) = built
     assert engine.shut_down  # the session's runner built the engine, and shut it down
     args = engine.engine_args
@@ -380,8 +412,8 @@ def test_bench_runs_its_three_modes_on_the_stand_in(model, tok, monkeypatch):
     for mode, r in result["modes"].items():
         assert [h["hop"] for h in r["hops"]] == [1, 2] and all(h["rows"] == 2 for h in r["hops"]), mode
         assert r["decode_tok_s"] > 0 and r["generated_tokens"] > 0
-    for h in result["modes"]["stream"]["hops"]:
-        assert h["evaluated"] == h["evidence_tokens"] + 1
+    for h in result["modes"]["stream"]["hops"]:  # forced markers end sessions (the model does not write
+        assert h["evaluated"] < h["evidence_tokens"] + 1 + fake.block_size  # them): whole blocks come cached
     for h in result["modes"]["reprefill"]["hops"]:  # salted requests: nothing from the prefix cache
         assert h["cached"] == 0 and h["evaluated"] > h["evidence_tokens"]
     assert not fake.sessions_open

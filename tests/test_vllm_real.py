@@ -15,7 +15,7 @@ import pytest
 
 from rig_decode.config import RigConfig
 from rig_decode.engine.engine import EngineOptions
-from rig_decode.engine.runner_vllm import EventLoopThread, VllmRunner
+from rig_decode.engine.runner_vllm import EventLoopThread, vllm_runner_on
 from rig_decode.engine.vllm_api import engine_args_kwargs, load_vllm_api
 from rig_decode.engine.vllm_logits import MarkerRules
 from rig_decode.markers import MarkerSpec, MarkerVocab
@@ -84,7 +84,7 @@ def engines(api):
         loop.close()
 
 
-def _runner(api, engines, tok, mode: str, logits_processor: bool, options: dict) -> VllmRunner:
+def _runner(api, engines, tok, mode: str, logits_processor: bool, options: dict):
     """A runner on the shared engine, its prefix cache emptied: blocks an earlier test computed for the
     same rows would otherwise count as cached and hide what this run evaluates."""
     loop, engine = engines(logits_processor)
@@ -93,7 +93,7 @@ def _runner(api, engines, tok, mode: str, logits_processor: bool, options: dict)
     if logits_processor:
         opts = EngineOptions(**{"max_iterations": 3, **options})  # as test_remote._engine builds them
         rules = MarkerRules.from_tokenizer(tok, [tok.eos_token_id], opts.max_iterations, opts.max_query_tokens)
-    return VllmRunner(engine, api, len(tok), mode=mode, context_limit=VLLM["max_model_len"], marker_rules=rules,
+    return vllm_runner_on(engine, api, len(tok), mode=mode, context_limit=VLLM["max_model_len"], marker_rules=rules,
                       loop=loop, owns_loop=False, timeout_s=300)
 
 
@@ -138,9 +138,10 @@ def test_real_vllm_gives_the_in_process_tokens_and_evaluates_only_new_tokens(api
             hop_steps.add(step.position)
             info = step.info["server"]
             assert info["mode"] == mode
-            if mode == "stream":  # the hop's chunk: the marker-completing token and the evidence
-                assert info["prompt_n"] == step.evidence_tokens + 1, info
-            else:  # the prefix cache holds whole blocks: at most the partial last one again
+            if mode == "stream" and info["cache_n"] != info["num_cached_tokens"]:  # the session went on: the
+                assert info["prompt_n"] == step.evidence_tokens + 1, info  # marker token and the evidence
+            else:  # a new request (in stream mode: the script forced a token the model did not pick, which
+                # ends a session): the prefix cache holds whole blocks, at most the partial last one again
                 assert step.evidence_tokens + 1 <= info["prompt_n"] <= step.evidence_tokens + 1 + block, info
     assert len(hop_steps) > 1  # the rows hopped at different steps
     if name == "budget-of-one":
@@ -161,7 +162,13 @@ def test_real_vllm_answers_the_demo_like_the_in_process_backend(api, local):
         runner = session.engine.runner
         got = session.ask_batch(questions)
     assert runner.engine is None  # the session shut its engine down
+    hops = 0
     for (a_answer, a_trace), (b_answer, b_trace) in zip(expected, got):
         assert b_answer == a_answer
         assert [s.query for s in b_trace.retrieval_steps] == [s.query for s in a_trace.retrieval_steps]
         assert a_trace.num_hops >= 2
+        hops += b_trace.num_hops
+        for step in b_trace.retrieval_steps:  # the model wrote its markers: each hop went on in its session
+            assert step.info["server"]["prompt_n"] == step.evidence_tokens + 1, step.info
+    # vLLM decoded each stretch between hops on its own: one call per question and one per hop
+    assert runner.calls == len(questions) + hops, (runner.calls, hops)

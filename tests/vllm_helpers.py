@@ -11,7 +11,9 @@ honours, as vLLM's V1 engine does:
   that an earlier request computed (a fully cached prompt still computes its last token); that
   prefix's KV is copied from the earlier request and only the rest is computed.
 * resumable requests: a prompt that is an async generator of ``StreamingInput`` is one session.
-  Each chunk is prefilled onto the KV the session kept and decodes under the chunk's own params;
+  Each chunk is prefilled onto the KV the session kept and decodes under the chunk's own params,
+  one output per token as it is decoded (cancelling the reader aborts the decode; the prefix cache
+  keeps what it computed);
   the last sampled token of a chunk gets no KV and is dropped, so the session's tokens are exactly
   the chunks sent. ``num_cached_tokens`` is set once, by the first chunk's prefix-cache lookup, and
   every later output of the session repeats it; ``prompt_token_ids`` is the chunks' prompts joined.
@@ -156,9 +158,11 @@ class _Session:
 
 class FakeAsyncLLM:
     def __init__(self, model, eos_id: int, *, block_size: int = 16, max_model_len: int = 2048,
-                 logits_processors=(), engine_args: AsyncEngineArgs | None = None):
+                 logits_processors=(), engine_args: AsyncEngineArgs | None = None, steer=None):
         self.model, self.eos_id, self.block_size, self.max_model_len = model, eos_id, block_size, max_model_len
         self.engine_args = engine_args
+        self.steer = steer
+        """``steer(context) -> token | None``: a model trained to write what the engine will take there."""
         self.logits_processors = [cls(None, torch.device("cpu"), False) for cls in logits_processors]
         self.computed: list[tuple[list[int], DynamicCache]] = []  # what the prefix cache holds, newest last
         self.requests: list[dict] = []
@@ -179,7 +183,8 @@ class FakeAsyncLLM:
         self._check(ids, sampling_params)
         cached, cache = (0, self._new_cache()) if prompt.get("cache_salt") else self._prefix_hit(ids)
         await self._wait_turn()
-        tokens, logprobs, reason = self._decode(cache, ids[cached:], ids, sampling_params)
+        steps = list(self._decode(cache, ids[cached:], ids, sampling_params))
+        tokens, logprobs, reason = [t for t, *_ in steps], [p for _, p, *_ in steps], steps[-1][2]
         self._remember(ids + tokens[:-1], cache)
         self.requests.append({"id": request_id, "kind": "prefix", "prompt_len": len(ids), "cached": cached,
                               "max_tokens": sampling_params.max_tokens, "extra_args": sampling_params.extra_args})
@@ -194,7 +199,7 @@ class FakeAsyncLLM:
 
     async def _session(self, inputs, params: SamplingParams, request_id: str):
         self._check_streaming(params)
-        session, prompt_ids, reported = None, [], 0
+        session, prompt_ids, reported, new, decoded = None, [], 0, [], []
         self.sessions_open.add(request_id)
         try:
             async for chunk in inputs:
@@ -209,18 +214,28 @@ class FakeAsyncLLM:
                 else:
                     cached = len(session.tokens)
                 self._check(session.tokens + new, sp)
-                await self._wait_turn()
-                tokens, logprobs, reason = self._decode(session.cache, new, session.tokens + new, sp)
-                # the chunk's last sampled token has no KV: the session drops it (vLLM's semantics)
-                session.tokens += new + tokens[:-1]
-                assert session.cache.get_seq_length() == len(session.tokens)
-                self._remember(list(session.tokens), session.cache)
                 sent = len(chunk.prompt["prompt_token_ids"])
                 self.requests.append({"id": request_id, "kind": "chunk", "chunk_len": sent, "cached": cached,
-                                      "reported": reported, "max_tokens": sp.max_tokens, "extra_args": sp.extra_args})
-                for out in self._outputs(request_id, list(prompt_ids), tokens, logprobs, reason, reported,
-                                         sp.output_kind, finished=False):
-                    yield out
+                                      "reported": reported, "max_tokens": sp.max_tokens, "extra_args": sp.extra_args,
+                                      "stop_token_ids": sp.stop_token_ids, "decoded": 0})
+                await self._wait_turn()
+                context, decoded = session.tokens + new, []
+                # tokens stream out as they are decoded; an abort (the reader cancelled) stops the decode
+                for tok, position, reason, done in self._decode(session.cache, new, context, sp):
+                    self.requests[-1]["decoded"] += 1
+                    decoded.append(tok)
+                    if done:  # the chunk's last sampled token has no KV: the session drops it (vLLM's semantics)
+                        session.tokens = context + decoded[:-1]
+                        assert session.cache.get_seq_length() == len(session.tokens)
+                        self._remember(list(session.tokens), session.cache)
+                    yield self._output(request_id, list(prompt_ids), [tok], [position], reason, reported, finished=False)
+                    if not done:
+                        await asyncio.sleep(0)
+        except (asyncio.CancelledError, GeneratorExit):  # aborted: vLLM's prefix cache keeps the full blocks computed
+            if session is not None and session.cache.get_seq_length():
+                n = session.cache.get_seq_length()
+                self._remember((session.tokens + new + decoded)[:n], session.cache)
+            raise
         finally:
             self.sessions_open.discard(request_id)
             self.sessions_ended.append(request_id)
@@ -276,29 +291,30 @@ class FakeAsyncLLM:
         return out.logits[0, -1].float()
 
     def _decode(self, cache, feed: list[int], context: list[int], sp: SamplingParams):
+        """Greedy decoding, one ``(token, its logprobs, finish reason, last)`` at a time."""
         logits = self._forward(cache, feed)
         stop_ids = set(sp.stop_token_ids or ())
         output: list[int] = []
-        tokens, logprobs, reason = [], [], "length"
         self._batch_update(BatchUpdate(1, removed=[], added=[(0, sp, list(context), output)], moved=[]))
-        for k in range(sp.max_tokens or 1):
-            logp = torch.log_softmax(logits, -1)
-            processed = self._processed(logits.clone())
-            tok = int(processed.argmax())
-            top = torch.topk(logp, sp.logprobs or 1)
-            position = {int(i): Logprob(float(v), r + 1) for r, (i, v) in enumerate(zip(top.indices, top.values))}
-            position.setdefault(tok, Logprob(float(logp[tok])))
-            tokens.append(tok)
-            output.append(tok)
-            logprobs.append(position)
-            if (tok == self.eos_id and not sp.ignore_eos) or tok in stop_ids:
-                reason = "stop"
-                break
-            if k + 1 < (sp.max_tokens or 1):
+        try:
+            for k in range(sp.max_tokens or 1):
+                logp = torch.log_softmax(logits, -1)
+                processed = self._processed(logits.clone())
+                steered = self.steer(context + output) if self.steer is not None else None
+                tok = int(processed.argmax()) if steered is None else steered
+                top = torch.topk(logp, sp.logprobs or 1)
+                position = {int(i): Logprob(float(v), r + 1) for r, (i, v) in enumerate(zip(top.indices, top.values))}
+                position.setdefault(tok, Logprob(float(logp[tok])))
+                output.append(tok)
+                stop = (tok == self.eos_id and not sp.ignore_eos) or tok in stop_ids
+                if stop or k + 1 == (sp.max_tokens or 1):
+                    yield tok, position, "stop" if stop else "length", True
+                    return
+                yield tok, position, None, False
                 logits = self._forward(cache, [tok])
                 self._batch_update(None)  # same batch; the processors read the output list they were handed
-        self._batch_update(BatchUpdate(0, removed=[0], added=[], moved=[]))
-        return tokens, logprobs, reason
+        finally:
+            self._batch_update(BatchUpdate(0, removed=[0], added=[], moved=[]))
 
     def _batch_update(self, update: BatchUpdate | None) -> None:
         for lp in self.logits_processors:
@@ -310,21 +326,43 @@ class FakeAsyncLLM:
             row = lp.apply(row)
         return row[0]
 
+    def _output(self, request_id, prompt_ids, tokens, logprobs, reason, cached, finished: bool) -> RequestOutput:
+        o = CompletionOutput(index=0, text="", token_ids=tokens, cumulative_logprob=None, logprobs=logprobs,
+                             finish_reason=reason, stop_reason=tokens[-1] if reason == "stop" and tokens[-1] != self.eos_id
+                             else None)
+        return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, prompt_logprobs=None,
+                             outputs=[o], finished=finished and reason is not None, num_cached_tokens=cached)
+
     def _outputs(self, request_id, prompt_ids, tokens, logprobs, reason, cached, kind, finished: bool):
         """The RequestOutputs of one decode, one per token as the output processor sends them."""
-        def output(lo, hi, last):
-            o = CompletionOutput(index=0, text="", token_ids=tokens[lo:hi], cumulative_logprob=None,
-                                 logprobs=logprobs[lo:hi], finish_reason=reason if last else None,
-                                 stop_reason=tokens[-1] if last and reason == "stop" and tokens[-1] != self.eos_id
-                                 else None)
-            return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, prompt_logprobs=None,
-                                 outputs=[o], finished=finished and last, num_cached_tokens=cached)
-
         if kind is RequestOutputKind.FINAL_ONLY:
-            yield output(0, len(tokens), True)
+            yield self._output(request_id, prompt_ids, tokens, logprobs, reason, cached, finished)
             return
         for k in range(len(tokens)):
-            yield output(k if kind is RequestOutputKind.DELTA else 0, k + 1, k == len(tokens) - 1)
+            lo = k if kind is RequestOutputKind.DELTA else 0
+            yield self._output(request_id, prompt_ids, tokens[lo:k + 1], logprobs[lo:k + 1],
+                               reason if k == len(tokens) - 1 else None, cached, finished)
+
+
+def writes_like(seqs):
+    """A ``steer`` for ``FakeAsyncLLM``: at a context that starts one of ``seqs`` (finished engine
+    sequences), the token the engine took next there; the model's own pick in the prompt, in evidence
+    and past the end. A stand-in for a model that writes its markers itself."""
+    runs = []
+    for s in seqs:
+        own = [i >= len(s.prompt_ids) for i in range(len(s.token_ids))]
+        for step in s.trace.retrieval_steps:
+            own[step.position:step.position + step.evidence_tokens] = [False] * step.evidence_tokens
+        runs.append((list(s.token_ids), own))
+
+    def steer(context: list[int]) -> int | None:
+        n = len(context)
+        for ids, own in runs:
+            if n < len(ids) and own[n] and ids[:n] == context:
+                return ids[n]
+        return None
+
+    return steer
 
 
 def fake_api(model, eos_id: int, *, streaming: bool = True, built: list | None = None,

@@ -76,8 +76,8 @@ class RigEngine:
         self.runner = runner if runner is not None else HFModelRunner(
             model, pad, options.kv_budget_tokens, prefill_chunk=options.prefill_chunk_tokens,
             decode_step=options.decode_step)
-        if hasattr(self.runner, "stop_after"):  # a streaming runner closes a stream at the end delimiter
-            self.runner.stop_after = frozenset(self.vocab.whole_end_ids.tolist())
+        if hasattr(self.runner, "stop_after"):  # a streaming runner stops at the end delimiter and the stop ids
+            self.runner.stop_after = frozenset(self.vocab.whole_end_ids.tolist()) | frozenset(self.stop_ids)
         rows = getattr(self.runner, "max_rows", None)  # a server with that many slots (llama-server)
         if rows and rows < options.max_batch_size:
             self.opts = options = dataclasses.replace(options, max_batch_size=rows)

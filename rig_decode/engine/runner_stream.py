@@ -33,7 +33,8 @@ import torch
 
 from .runner_remote import Prediction, RemoteError, RemoteRunner, make_server
 
-_END = object()
+END = object()
+"""What a stream's queue holds after its last prediction."""
 
 STREAM_TOKENS = 1024
 """The most tokens one request asks for (bounded by the context too)."""
@@ -75,7 +76,7 @@ class _Stream:
                     break
         except BaseException as e:  # noqa: BLE001 - the engine's thread raises it for this row
             self.predictions.put(e)
-        self.predictions.put(_END)
+        self.predictions.put(END)
 
     def _opened(self, response) -> None:
         self.response = response
@@ -88,8 +89,8 @@ class _Stream:
             item = self.predictions.get(timeout=timeout)
         except queue.Empty:
             raise RemoteError(f"the server sent no token for {timeout:g}s") from None
-        if item is _END:
-            self.predictions.put(_END)  # stays ended
+        if item is END:
+            self.predictions.put(END)  # stays ended
             return None
         if isinstance(item, BaseException):
             raise item if isinstance(item, RemoteError) else RemoteError(f"{type(item).__name__}: {item}")
@@ -107,7 +108,7 @@ class _Stream:
 
 
 @dataclass(slots=True)
-class _Row:
+class StreamRow:
     tokens: list[int]
     slot: int | None = None
     stream: _Stream | None = None
@@ -139,15 +140,15 @@ class StreamingRunner(RemoteRunner):
         self._release(self.rows)
         self.rows = [self._new_row() for _ in range(batch_size)]
 
-    def _new_row(self) -> _Row:
-        return _Row([], self.free_slots.pop(0) if self.free_slots else None)
+    def _new_row(self) -> StreamRow:
+        return StreamRow([], self.free_slots.pop(0) if self.free_slots else None)
 
     def select(self, keep: list[int]) -> None:
         kept = set(keep)
         self._release([r for i, r in enumerate(self.rows) if i not in kept])
         self.rows = [self.rows[i] for i in keep]
 
-    def _release(self, rows: list[_Row]) -> None:
+    def _release(self, rows: list[StreamRow]) -> None:
         for row in rows:
             if row.stream is not None:
                 row.stream.close()
@@ -193,7 +194,7 @@ class StreamingRunner(RemoteRunner):
         errors, self.row_errors = self.row_errors, {}
         return errors
 
-    def _open(self, row: _Row) -> None:
+    def _open(self, row: StreamRow) -> None:
         if row.stream is not None:
             row.stream.close()
         row.stream = _Stream(self.server, row.tokens, self._predict_n(row.tokens), self.top_logprobs, row.slot,
@@ -201,7 +202,7 @@ class StreamingRunner(RemoteRunner):
         row.next = None
         self.calls += 1
 
-    def _next(self, row: _Row) -> Prediction:
+    def _next(self, row: StreamRow) -> Prediction:
         """The row's next prediction; a stream that ended (its ``max_tokens`` spent, or closed after
         a stop token the engine did not take) is followed by a new one."""
         for attempt in range(2):
