@@ -47,6 +47,12 @@ class RunResult:
     """Engine errors of the run's rows (a failed row's reason)."""
     calls: int | None = None
     """Requests rig's runner made of the engine it drives (a chunk, a stream, a lookahead window)."""
+    decode_ms: list[float] = field(default_factory=list)
+    """Per row: time spent decoding between hops (each stretch's tokens after its first)."""
+    decode_tokens: list[int] = field(default_factory=list)
+    """Per row: the tokens decoded in that time."""
+    plans: list | None = None
+    """rig's rows as ``vllm-alone`` replays them (``peers_systems.replay_plan``)."""
 
     @property
     def tok_s(self) -> float:
@@ -54,13 +60,10 @@ class RunResult:
 
     @property
     def decode_tok_s(self) -> float | None:
-        """Tokens per second of a row's own decoding: its generated tokens over its time less its hops'
-        (marker to the first token after the evidence), summed over rows."""
-        hop_ms = [0.0] * len(self.latency_ms)
-        for h in self.hops:
-            hop_ms[h.question] += h.ms or 0.0
-        seconds = sum(max(0.0, t - h) for t, h in zip(self.latency_ms, hop_ms)) / 1e3
-        return round(sum(self.generated) / seconds, 2) if seconds > 0 else None
+        """A row's decoding speed between hops: tokens after each stretch's first over the time they
+        took, summed over rows (1 / the mean inter-token time)."""
+        seconds = sum(self.decode_ms) / 1e3
+        return round(sum(self.decode_tokens) / seconds, 2) if seconds > 0 else None
 
 
 def _p(values, q=50):

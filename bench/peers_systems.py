@@ -49,34 +49,78 @@ def run_rig(name: str, build_engine: Callable[[int], object], prompts: list[list
     return RunResult(name, concurrency, wall, [s.matcher.visible_text().strip() for s in seqs],
                      [s.trace.generated_tokens for s in seqs], [s.trace.total_ms - s.trace.queue_ms for s in seqs],
                      hops, finish=[s.finish_reason or "" for s in seqs],
-                     errors=[e for s in seqs for e in s.trace.engine_errors], calls=calls)
+                     errors=[e for s in seqs for e in s.trace.engine_errors], calls=calls,
+                     decode_ms=[s.trace.decode_ms for s in seqs],
+                     decode_tokens=[s.trace.generated_tokens - 1 - sum(st.first_token_ms is not None
+                                                                       for st in s.trace.retrieval_steps) for s in seqs],
+                     plans=[replay_plan(s) for s in seqs])
 
 
-def run_alone(engine, api, loop, prompts: list[list[int]], concurrency: int, counts: list[int]) -> RunResult:
-    """vLLM with no rig in the loop: each prompt decoded greedily for exactly ``counts[i]`` tokens (what
-    rig generated for it), ``concurrency`` requests at a time, no log-probabilities asked for."""
+def replay_plan(s) -> list[tuple[list[int], int, float]]:
+    """A finished row as ``vllm-alone`` replays it: per stretch, (the ids sent before it: the prompt,
+    then the end marker and the evidence; tokens decoded in it; ms waited before it: the hop's search)."""
+    plan, start, wait = [], len(s.prompt_ids), 0.0
+    chunk = list(s.prompt_ids)
+    for step in s.trace.retrieval_steps:
+        if not step.evidence_tokens:
+            break
+        plan.append((chunk, step.position - start, wait))
+        chunk = list(s.token_ids[step.position - 1:step.position + step.evidence_tokens])
+        start, wait = step.position + step.evidence_tokens, step.latency_ms
+    if len(s.token_ids) > start:
+        plan.append((chunk, len(s.token_ids) - start, wait))
+    return plan
+
+
+def run_alone(engine, api, loop, plans: list, concurrency: int) -> RunResult:
+    """vLLM with no rig in the loop, on the same rows: each row one resumable request whose chunks are
+    the ids rig sent (prompt; end marker + evidence), each decoding greedily as many tokens as rig's
+    row did there (``ignore_eos``, no log-probabilities), after the same search wait; ``concurrency``
+    rows at a time. A hop's latency: the last token before it to the first after it."""
     import asyncio
     import uuid
 
-    async def one(i, gate):
+    async def row(i, gate):
         async with gate:
-            t0 = time.perf_counter()
-            params = api.SamplingParams(max_tokens=max(1, counts[i]), temperature=0.0, ignore_eos=True,
-                                        output_kind=api.RequestOutputKind.FINAL_ONLY)
-            final = None
-            async for out in engine.generate(api.TokensPrompt(prompt_token_ids=list(prompts[i])), params,
-                                             f"alone-{uuid.uuid4().hex[:12]}"):
-                final = out
-            return len(final.outputs[0].token_ids), (time.perf_counter() - t0) * 1e3
+            t0, hops, decode_ms, decoded, generated = time.perf_counter(), [], 0.0, 0, 0
+            inbox, last = asyncio.Queue(), None
+
+            async def inputs():
+                while (item := await inbox.get()) is not None:
+                    yield item
+
+            params = api.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                        output_kind=api.RequestOutputKind.DELTA)
+            outputs = engine.generate(inputs(), params, f"alone-{uuid.uuid4().hex[:12]}")
+            for chunk, n, wait_ms in plans[i]:
+                await asyncio.sleep(wait_ms / 1e3)
+                sp = api.SamplingParams(max_tokens=max(1, n), temperature=0.0, ignore_eos=True,
+                                        output_kind=api.RequestOutputKind.DELTA)
+                inbox.put_nowait(api.StreamingInput(prompt=api.TokensPrompt(prompt_token_ids=chunk), sampling_params=sp))
+                first = got = None
+                async for out in outputs:
+                    now, k = time.perf_counter(), len(out.outputs[0].token_ids)
+                    first, got = first or now, (got or 0) + k
+                    if out.outputs[0].finish_reason is not None:
+                        break
+                if last is not None:
+                    hops.append(Hop(i, (first - last) * 1e3, len(chunk)))
+                decode_ms, decoded, generated = decode_ms + (now - first) * 1e3, decoded + got - 1, generated + got
+                last = now
+            inbox.put_nowait(None)
+            async for _ in outputs:
+                pass
+            return generated, (time.perf_counter() - t0) * 1e3, hops, decode_ms, decoded
 
     async def every():
         gate = asyncio.Semaphore(concurrency)
-        return await asyncio.gather(*(one(i, gate) for i in range(len(prompts))))
+        return await asyncio.gather(*(row(i, gate) for i in range(len(plans))))
 
     t0 = time.perf_counter()
     done = loop.run(every())
-    return RunResult("vllm-alone", concurrency, time.perf_counter() - t0, [], [n for n, _ in done],
-                     [ms for _, ms in done])
+    return RunResult("vllm-alone", concurrency, time.perf_counter() - t0, [], [d[0] for d in done],
+                     [d[1] for d in done], [h for d in done for h in d[2]], decode_ms=[d[3] for d in done],
+                     decode_tokens=[d[4] for d in done])
 
 
 def _evaluated(step) -> int:
@@ -117,11 +161,11 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
     v = vcfg.engine.vllm
     reset = _reset_prefix_cache(held, loop)
     systems, completers = [], []
-    counts: dict[int, list[int]] = {}  # rig-vllm-stream's tokens per row, by concurrency: vllm-alone decodes as many
+    plans: dict[int, list] = {}  # rig-vllm-stream's rows, by concurrency: what vllm-alone replays
     for n in names:
         if n == "vllm-alone":
-            systems.append(System(n, lambda p, c, k: run_alone(held["engine"], api, loop, p, c,
-                                                               counts.get(c) or [k] * len(p)), reset))
+            systems.append(System(n, lambda p, c, k: run_alone(held["engine"], api, loop, _plans_for(plans, p, c, k), c),
+                                  reset))
         elif n == "resubmit-vllm":
             complete = VllmCompleter(held["engine"], api, loop)
             completers.append(complete)
@@ -134,7 +178,7 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
                 held["engine"], api, len(tokenizer), mode=mode, top_logprobs=v.top_logprobs, lookahead=v.lookahead,
                 context_limit=v.max_model_len, loop=loop, owns_loop=False), vcfg, None, reset)
             if mode == "stream":
-                system.run = _recording(system.run, counts)
+                system.run = _recording(system.run, plans)
             systems.append(system)
 
     def stop():
@@ -153,10 +197,20 @@ def vllm_systems(vcfg, api, names, tokenizer, retriever, rig_system, loop_kw):
     return systems, stop
 
 
-def _recording(run, counts: dict[int, list[int]]):
+def _plans_for(plans: dict[int, list], prompts, concurrency: int, max_new_tokens: int) -> list:
+    """rig-vllm-stream's rows at this concurrency, or (before it ran: the warm-up) each prompt decoded
+    for ``max_new_tokens``."""
+    recorded = plans.get(concurrency)
+    if recorded and len(recorded) == len(prompts):
+        return recorded
+    return [[(list(ids), max_new_tokens, 0.0)] for ids in prompts]
+
+
+def _recording(run, plans: dict[int, list]):
     def recorded(prompts, concurrency, max_new_tokens):
         result = run(prompts, concurrency, max_new_tokens)
-        counts[concurrency] = list(result.generated)
+        if len(prompts) > 1:  # not the warm-up's
+            plans[concurrency] = result.plans
         return result
 
     return recorded

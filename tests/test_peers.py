@@ -93,17 +93,19 @@ def test_peers_on_stand_ins(setup):
     loop = EventLoopThread("test-peers")
     api = fake_api(model, tok.eos_token_id)
     fake_vllm = FakeAsyncLLM(model, tok.eos_token_id, logits_processors=[vllm_policy_processor(policy)])
+    plans, alone_vllm = {}, FakeAsyncLLM(model, tok.eos_token_id)
     complete_vllm = resubmit.VllmCompleter(fake_vllm, api, loop)
     with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, slots=4) as server:
         complete_llama = resubmit.LlamaCompleter(server.url, parallel=2)
         peers = [
             systems.System("rig-hf", lambda p, c, n: systems.run_rig(
                 "rig-hf", lambda c: _rig_engine(tok, retriever, policy, c, model=model), p, c, n)),
-            systems.System("rig-vllm-stream", lambda p, c, n: systems.run_rig(
+            systems.System("rig-vllm-stream", systems._recording(lambda p, c, n: systems.run_rig(
                 "rig-vllm-stream", lambda c: _rig_engine(tok, retriever, policy, c, runner=vllm_runner_on(
                     FakeAsyncLLM(model, tok.eos_token_id, logits_processors=[vllm_policy_processor(policy)]), api,
-                    len(tok), mode="stream", context_limit=2048,
-                    timeout_s=120)), p, c, n)),
+                    len(tok), mode="stream", context_limit=2048, timeout_s=120)), p, c, n), plans)),
+            systems.System("vllm-alone", lambda p, c, n: systems.run_alone(
+                alone_vllm, api, loop, systems._plans_for(plans, p, c, n), c)),
             systems.System("rig-llama", lambda p, c, n: systems.run_rig(
                 "rig-llama", lambda c: _rig_engine(tok, retriever, policy, c, runner=StreamingRunner(
                     LlamaCppServer(server.url), len(tok), top_logprobs=5)), p, c, n)),
@@ -145,6 +147,13 @@ def test_peers_on_stand_ins(setup):
         else:  # "Release" was written letter by letter; the text tokenised again merges it
             assert s["retokenized"] > 0 and s["retokenized_hops"] >= 1, (name, s)
     assert runs["rig-hf"][1].answers == ANSWERS
+    # vllm-alone replayed rig-vllm-stream's rows: the same tokens, each hop's chunk as rig sent it
+    for c in (1, 2):
+        alone, rig = runs["vllm-alone"][c], runs["rig-vllm-stream"][c]
+        assert alone.generated == rig.generated and len(alone.hops) == len(rig.hops)
+        assert sorted(h.evaluated for h in alone.hops) == sorted(h.evaluated for h in rig.hops)
+        assert sum(alone.decode_tokens) == sum(rig.decode_tokens) > 0
+    assert data["systems"]["vllm-alone"]["decode_tok_s_c1"] > 0 and set(data["decode_vs_alone"]) == {"c1", "c2"}
     # rig on vLLM's stand-in evaluates exactly what rig in process feeds: evidence + the marker token
     hf_hops = [(h.question, h.evaluated) for h in runs["rig-hf"][1].hops]
     assert [(h.question, h.evaluated) for h in runs["rig-vllm-stream"][1].hops] == hf_hops
@@ -191,7 +200,8 @@ def test_rig_hops_are_the_traces_first_token_times():
 
         def new_sequence(self, prompt, seq_id, max_new_tokens):
             trace = Trace(retrieval_steps=steps[seq_id], generated_tokens=3, total_ms=20.0, queue_ms=5.0)
-            return SimpleNamespace(seq_id=seq_id, trace=trace, finish_reason="stop",
+            return SimpleNamespace(seq_id=seq_id, trace=trace, finish_reason="stop", prompt_ids=list(prompt),
+                                   token_ids=list(prompt),
                                    matcher=SimpleNamespace(visible_text=lambda: f" answer {seq_id} "))
 
         def generate(self, seqs):

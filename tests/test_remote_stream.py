@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rig_decode.engine.runner_remote import LlamaCppServer
-from rig_decode.engine.runner_stream import StreamingRunner
+from rig_decode.engine.runner_stream import RUN_AHEAD, StreamingRunner
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
 from .helpers import tiny_model
@@ -44,7 +44,7 @@ def test_a_hop_costs_one_request_and_the_stream_stops_while_the_row_searches(tok
         assert runner.calls <= 1 + forced + seq.trace.num_hops
         # and each stream stopped when its row parked or diverged, not at the end of the context
         time.sleep(0.5)
-        assert server.decoded < seq.num_generated + 8 * runner.calls, (server.decoded, seq.num_generated)
+        assert server.decoded <= seq.num_generated + RUN_AHEAD * runner.calls, (server.decoded, seq.num_generated)
 
 
 def test_the_batch_is_held_to_the_servers_slots(model, tok):

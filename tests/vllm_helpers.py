@@ -22,8 +22,8 @@ honours, as vLLM's V1 engine does:
   vLLM refuses them for streaming input.
 * with ``logits_processors`` (classes with vLLM's V1 interface) they see a ``BatchUpdate`` adding the
   request when a decode starts (a chunk re-adds it with the session so far as its prompt and a new
-  output list), ``None`` at each further position while the live output list grows, and one
-  removing it when the decode ends.
+  output list, and so does a decode that resumes after another one ran in between), ``None`` at
+  each further position while the live output list grows, and one removing it when the decode ends.
 
 It records every request, the sessions it ended and how many requests were waiting to run at once.
 """
@@ -162,6 +162,7 @@ class FakeAsyncLLM:
         self.model, self.eos_id, self.block_size, self.max_model_len = model, eos_id, block_size, max_model_len
         self.engine_args = engine_args
         self.steer = steer
+        self._decoding = None
         """``steer(context) -> token | None``: a model trained to write what the engine will take there."""
         self.logits_processors = [cls(None, torch.device("cpu"), False) for cls in logits_processors]
         self.computed: list[tuple[list[int], DynamicCache]] = []  # what the prefix cache holds, newest last
@@ -295,9 +296,12 @@ class FakeAsyncLLM:
         logits = self._forward(cache, feed)
         stop_ids = set(sp.stop_token_ids or ())
         output: list[int] = []
-        self._batch_update(BatchUpdate(1, removed=[], added=[(0, sp, list(context), output)], moved=[]))
+        me = object()
         try:
             for k in range(sp.max_tokens or 1):
+                if self._decoding is not me:  # joining, or another request decoded in between: (re-)added
+                    self._batch_update(BatchUpdate(1, removed=[], added=[(0, sp, list(context), output)], moved=[]))
+                    self._decoding = me
                 logp = torch.log_softmax(logits, -1)
                 processed = self._processed(logits.clone())
                 steered = self.steer(context + output) if self.steer is not None else None
@@ -315,6 +319,7 @@ class FakeAsyncLLM:
                 self._batch_update(None)  # same batch; the processors read the output list they were handed
         finally:
             self._batch_update(BatchUpdate(0, removed=[0], added=[], moved=[]))
+            self._decoding = None
 
     def _batch_update(self, update: BatchUpdate | None) -> None:
         for lp in self.logits_processors:

@@ -139,6 +139,7 @@ class VllmStreamRunner(StreamingRunner):
     def __init__(self, host: VllmHost, vocab_size: int, *, top_logprobs: int = 20, context_limit: int = 8192,
                  marker_rules=None, timeout_s: float | None = None):
         self.host, self.marker_rules = host, marker_rules
+        self._aborted: list[_Session] = []
         super().__init__(_NoSlots(), vocab_size, top_logprobs=top_logprobs, context_limit=context_limit,
                          timeout_s=timeout_s)
 
@@ -188,6 +189,7 @@ class VllmStreamRunner(StreamingRunner):
     def _abort(self, row: _SessionRow) -> None:
         if row.session is not None:
             self.host.loop.loop.call_soon_threadsafe(row.session.abort)
+            self._aborted = [s for s in self._aborted if s.reader is None or not s.reader.done()] + [row.session]
             row.session = None
         row.stream = row.next = None
 
@@ -206,7 +208,15 @@ class VllmStreamRunner(StreamingRunner):
     def close(self) -> None:
         self._release(self.rows)
         self.rows = []
-        self.host.close()
+        sessions, self._aborted = self._aborted, []
+
+        async def settled():  # each aborted request's clean-up (vLLM's abort) runs before the loop may close
+            await asyncio.gather(*(s.reader for s in sessions if s.reader is not None), return_exceptions=True)
+
+        try:
+            self.host.loop.run(settled(), timeout=30)
+        finally:
+            self.host.close()
 
 
 class _NoSlots:
