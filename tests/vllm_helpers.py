@@ -63,6 +63,8 @@ class SamplingParams:
     """Taken, not applied: a stop string ends nothing here (the resubmit bench cuts at it itself)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
+    flat_logprobs: bool = False
     n: int = 1
     extra_args: dict | None = None
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from .runner_remote import Completion, RemoteRow, RemoteRunner
 from .runner_vllm_stream import VllmStreamRunner
 from .vllm_api import VllmApi, engine_args_kwargs, load_vllm_api, resolve_mode
-from .vllm_host import EventLoopThread, VllmError, VllmHost, predictions
+from .vllm_host import IDS_ONLY, EventLoopThread, VllmError, VllmHost, predictions
 
 
 _ids = itertools.count()
@@ -74,7 +74,7 @@ class VllmRunner(RemoteRunner):
         if self.marker_rules is not None:
             extra["extra_args"] = self.marker_rules.to_extra_args(count_from=row.prompt_len)
         params = api.SamplingParams(max_tokens=self._predict_n(tokens), temperature=0.0, logprobs=self.top_logprobs,
-                                    output_kind=api.RequestOutputKind.FINAL_ONLY, **extra)
+                                    output_kind=api.RequestOutputKind.FINAL_ONLY, **IDS_ONLY, **extra)
         final = None
         async for out in self.engine.generate(api.TokensPrompt(prompt_token_ids=tokens), params, f"rig-p{next(_ids)}"):
             final = out

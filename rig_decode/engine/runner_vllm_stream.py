@@ -30,7 +30,7 @@ import queue
 from dataclasses import dataclass
 
 from .runner_stream import END, StreamingRunner, StreamRow
-from .vllm_host import VllmError, VllmHost, predictions
+from .vllm_host import IDS_ONLY, VllmError, VllmHost, predictions
 
 _ids = itertools.count()
 
@@ -183,7 +183,7 @@ class VllmStreamRunner(StreamingRunner):
             extra["extra_args"] = self.marker_rules.to_extra_args(count_from=row.prompt_len)
         params = api.SamplingParams(max_tokens=self._predict_n(row.tokens), temperature=0.0,
                                     logprobs=self.top_logprobs, output_kind=api.RequestOutputKind.DELTA,
-                                    stop_token_ids=sorted(self.stop_after), **extra)
+                                    stop_token_ids=sorted(self.stop_after), **IDS_ONLY, **extra)
         return api.StreamingInput(prompt=api.TokensPrompt(prompt_token_ids=list(tokens)), sampling_params=params)
 
     def _abort(self, row: _SessionRow) -> None:

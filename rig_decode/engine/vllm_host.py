@@ -17,6 +17,12 @@ SHUTDOWN_TIMEOUT_S = 30.0
 CPU worker's teardown, which then ends with a force-kill warning."""
 
 
+IDS_ONLY = {"detokenize": False, "flat_logprobs": True}
+"""``SamplingParams`` of every rig request: the engine reads token ids and log-probabilities only, so
+vLLM's front end (in this process, beside the engine) neither detokenises the output and every
+top-k candidate nor builds a dict per position."""
+
+
 async def _call(fn, **kwargs):
     return fn(**kwargs)
 
