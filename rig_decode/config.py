@@ -30,17 +30,14 @@ class ModelConfig(_Section):
     """An embedded default name, a local directory, a ``.gguf`` file or a HuggingFace id."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "nf4", "int8", "int4"] = "none"
-    """``nf4``: bitsandbytes 4-bit; ``int8``/``int4``: weight-only through PyTorch's own kernels
-    (``rig_decode.models.weight_only``), the LM head included: the fast decode on CPU (int8) and
-    for a 32B model on one 24 GB card (int4). docs/performance.md compares them."""
+    """``nf4``: bitsandbytes 4-bit; ``int8``/``int4``: weight-only through PyTorch's own kernels, the LM
+    head included (``models/weight_only.py``; docs/performance.md compares them)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_gemm: Literal["auto", "packed", "torch"] = "auto"
-    """fp32 on CPU: ``packed`` keeps linear weights pre-packed for oneDNN (faster decode at any batch,
-    batch invariant; inference only), ``torch`` plain ``F.linear`` (training), ``auto`` packed where
-    this torch build supports it. See ``rig_decode.models.cpu_gemm``."""
+    """fp32 on CPU: ``packed`` oneDNN pre-packed weights (inference), ``torch`` plain ``F.linear``
+    (training), ``auto`` packed where supported (``models/cpu_gemm.py``)."""
     adapter: str | None = "auto"
-    """A LoRA marker adapter folder; ``auto``: the one shipped for an embedded model (none for other
-    models); null: none (prompt-only). See ``rig_decode.adapters``."""
+    """A LoRA marker adapter folder; ``auto``: the one shipped for an embedded model; null: none."""
     max_tokens: int = Field(512, ge=1)
     """Tokens the model may sample per request (evidence tokens do not count)."""
     temperature: float = Field(0.0, ge=0.0)
@@ -80,7 +77,10 @@ class MilvusConfig(_Section):
 
 
 class RetrieverConfig(_Section):
-    type: Literal["faiss", "bm25", "hybrid", "milvus"] = "hybrid"
+    type: Literal["faiss", "bm25", "hybrid", "milvus", "python"] = "hybrid"
+    """``python``: what ``factory`` (``package.module:callable``) returns for ``factory_args``."""
+    factory: str | None = Field(None, pattern=r"^[\w.]+:[\w.]+$")
+    factory_args: dict[str, Any] = Field(default_factory=dict)
     top_k: int = Field(3, ge=1, le=100)
     score_threshold: float = Field(0.2, ge=-1.0, le=1.0)
     """Minimum cosine similarity of a dense hit (BM25 hits need a positive score)."""
@@ -98,9 +98,8 @@ class RetrieverConfig(_Section):
     """Shift weight to BM25 for queries with ids, codes, versions, numbers or quoted strings."""
     router_alpha: float = Field(0.3, ge=0.0, le=1.0)
     typo_similarity: float | None = Field(0.8, gt=0.0, le=1.0)
-    """Query words the index lacks are replaced by the closest indexed word at least this alike
-    (0-1, normalised Indel similarity; letters-only words of four or more), so a name the model
-    misspells still matches. None: off. Needs the lexical index (bm25 or hybrid)."""
+    """Query words the index lacks become the closest indexed word at least this alike (normalised
+    Indel similarity; letters-only words of 4+), so a misspelt name still matches. None: off."""
     index_type: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
     ann_threshold: int = Field(50_000, ge=1)
     """Above this many chunks, ``auto`` uses an approximate (HNSW) index instead of exact search."""
@@ -110,6 +109,12 @@ class RetrieverConfig(_Section):
     """Applied to every search, e.g. ``{status: active, valid_until: {gte: today}}``."""
     reranker: RerankerConfig = RerankerConfig()
     milvus: MilvusConfig = MilvusConfig()
+
+    @model_validator(mode="after")
+    def _python_needs_a_factory(self):
+        if (self.type == "python") != (self.factory is not None):
+            raise ValueError("retriever.type python and retriever.factory (package.module:callable) go together")
+        return self
 
 
 class GateRuleConfig(_Section):
@@ -216,7 +221,7 @@ class VllmConfig(_Section):
     top_logprobs: int = Field(20, ge=1, le=100)
     """Top log-probabilities per position: what the engine's masks and sampling choose among."""
     lookahead: int = Field(16, ge=1, le=512)
-    """Tokens per request in prefix mode (stream mode asks for one token per step)."""
+    """Tokens per request in prefix mode (a stream-mode chunk asks for the rest of the row)."""
     logits_processor: bool = False
     """Register the marker logits processor with vLLM (``engine/vllm_logits.py``); needs the markers
     as single tokens. The engine's own processors decide either way."""
@@ -236,10 +241,8 @@ class ZeroPrefillConfig(_Section):
     store_mb: int = Field(256, ge=0)
     """Bytes of piece KV kept (least recently used dropped first), on the model's device."""
     host_store_mb: int = Field(0, ge=0)
-    """Bytes of piece KV kept in host memory (pinned, for a GPU model) once ``store_mb`` is full:
-    what the device store drops goes there, and a hit there costs a copy to the device instead of
-    a forward. A 32B model's KV is 256 KiB per token: the device's 256 MB hold a thousand tokens
-    of pieces, 8 GB of host memory 32 thousand."""
+    """Bytes of piece KV kept in host memory (pinned, for a GPU model) once ``store_mb`` is full: a
+    hit there costs a copy to the device, not a forward (a 32B model: 256 KiB per token)."""
 
 
 class EngineConfig(_Section):
@@ -255,9 +258,8 @@ class EngineConfig(_Section):
     null (no limit). Requests beyond it wait in the queue."""
     retrieval_retries: int = Field(1, ge=0, le=10)
     max_hung_searches: int = Field(4, ge=1)
-    """Searches abandoned past ``retriever.timeout_s`` that may still be running before retrieval
-    is reported degraded (``/health``): then hops get a no-evidence block at once, until one of
-    them returns."""
+    """Abandoned searches (past ``retriever.timeout_s``) still running before retrieval is reported
+    degraded (``/health``): hops then get a no-evidence block at once, until one returns."""
     sync_retrieval: bool = False
     """Search inside the decode step (the other rows wait); for comparison only."""
     prefill_chunk_tokens: int | None = Field(512, ge=1)
@@ -265,11 +267,9 @@ class EngineConfig(_Section):
     one runs in chunks, so its activations are bounded by the chunk (``rig plan`` counts them);
     null: no bound."""
     decode_step: Literal["auto", "hf", "graph", "compiled"] = "auto"
-    """How a decode step (one token per row) runs: ``hf`` through the model's HF modules; ``graph``
-    as one function of tensors over the KV buffers (``models.decode_graph``); ``compiled`` that
-    function through ``torch.compile(fullgraph=True)`` (a CUDA graph on CUDA); ``auto``: compiled on
-    CUDA and for weight-only quantized models on CPU (where it measures faster: docs/performance.md),
-    else ``hf``."""
+    """How a decode step runs: ``hf`` through the model's HF modules; ``graph`` one function of tensors
+    over the KV buffers (``models.decode_graph``); ``compiled`` that through ``torch.compile`` (a CUDA
+    graph on CUDA); ``auto``: compiled on CUDA and for weight-only quantized models on CPU, else ``hf``."""
     zero_prefill: ZeroPrefillConfig = ZeroPrefillConfig()
 
     @model_validator(mode="after")

@@ -128,6 +128,41 @@ def test_a_session_that_dies_mid_chunk_fails_its_row_alone(model, tok):
     assert not out[0].trace.engine_errors and not out[2].trace.engine_errors
 
 
+def test_a_session_vllm_ends_while_its_row_searches_is_replaced(tok_special, monkeypatch):
+    """vLLM ends a row's request between chunks (an abort, an engine restart) while the row searches:
+    the row's next chunk goes to a new session (no wait for a token that never comes), and every row
+    gets the in-process tokens."""
+    from rig_decode.engine import runner_vllm_stream
+
+    class EndsWhileParked(FakeAsyncLLM):
+        async def generate(self, prompt, sampling_params, request_id):
+            async for out in super().generate(prompt, sampling_params, request_id):
+                yield out
+                if request_id == "rig-doomed" and out.outputs[0].finish_reason is not None:
+                    return  # the session's stream ends after its first chunk
+
+    class Named(runner_vllm_stream._Session):
+        made = 0
+
+        def __init__(self):
+            super().__init__()
+            Named.made += 1
+            if Named.made == 1:  # the first row's session
+                self.request_id = "rig-doomed"
+
+    tok, model = tok_special, tiny_model(len(tok_special))
+    script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
+    local = _generate(_engine(model, tok, script), tok, PROMPTS)
+    fake, runner = _runner(model, tok, "stream", fake=EndsWhileParked(model, tok.eos_token_id, steer=writes_like(local)))
+    monkeypatch.setattr(runner_vllm_stream, "_Session", Named)
+    out = _generate(_engine(model, tok, script, runner=runner), tok, PROMPTS)
+    runner.close()
+    runner.close()  # twice: a no-op
+    assert [s.token_ids for s in out] == [s.token_ids for s in local]
+    assert not any(s.trace.engine_errors for s in out)
+    assert len({r["id"] for r in fake.requests}) == len(PROMPTS) + 1  # the ended one, replaced once
+
+
 def test_prefix_mode_serves_steps_from_the_lookahead(model, tok):
     fake, runner = _runner(model, tok, "prefix", lookahead=8)
     engine = _engine(model, tok, {}, runner=runner, max_iterations=0)

@@ -64,12 +64,13 @@ from .sequence import Sequence
 
 class RigEngine:
     def __init__(self, model, tokenizer, retriever: Retriever | None, options: EngineOptions = EngineOptions(),
-                 extra_processors=(), vocab: MarkerVocab | None = None, runner=None):
+                 extra_processors=(), vocab: MarkerVocab | None = None, runner=None, eos_ids=None):
         """``model``: a HuggingFace causal LM, run in process; or None with a ``runner`` that stands
-        for a model elsewhere (``runner_remote.RemoteRunner``: a completion server)."""
+        for a model elsewhere (``runner_remote.RemoteRunner``: a completion server). ``eos_ids``: the
+        tokens that end an answer (default: the model's and tokenizer's EOS)."""
         self.model, self.tokenizer, self.retriever, self.opts = model, tokenizer, retriever, options
         self.vocab = vocab or MarkerVocab(tokenizer, MarkerSpec.from_style(options.marker_style))
-        self.stop_ids = stop_ids(model, tokenizer)
+        self.stop_ids = sorted({int(t) for t in eos_ids}) if eos_ids else stop_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         if runner is None and model is None:
             raise ValueError("RigEngine needs a model or a runner")

@@ -34,6 +34,10 @@ from .vllm_host import IDS_ONLY, VllmError, VllmHost, predictions
 
 _ids = itertools.count()
 
+TOKEN_TIMEOUT_S = 600.0
+"""How long the engine waits for vLLM's next token of a row before failing that row: far past any
+prefill or preemption, short of never (a request vLLM lost must not hold the engine's step)."""
+
 
 class _Chunk:
     """One chunk's outputs, as the engine reads them (``runner_stream._Stream``'s interface). The loop
@@ -55,11 +59,13 @@ class _Chunk:
             reused = (cached or 0) if self.fresh else self.start
             self.info = {"mode": "stream", "cache_n": reused, "prompt_n": self.start + self.sent - reused,
                          "num_cached_tokens": cached}
-        done = o.finish_reason is not None or out.finished
-        if done:  # before the predictions: the engine may read the last one and ask for the next chunk at once
-            self.finished = True
         preds = predictions(list(o.token_ids), list(o.logprobs or []), self.top_logprobs)
         self.tokens += [p.token for p in preds]
+        done = o.finish_reason is not None or out.finished
+        if o.finish_reason in ("error", "abort"):  # vLLM ended the request: not a chunk the session goes on from
+            raise VllmError(f"vLLM finished the request with reason {o.finish_reason!r}")
+        if done:  # after ``tokens``, before the predictions: once the engine reads the last one it may ask
+            self.finished = True  # for the next chunk, and ``_kept`` must see the chunk whole and ended
         for p in preds:
             self.predictions.put(p)
         if done:
@@ -94,9 +100,14 @@ class _Session:
         self.inbox: asyncio.Queue | None = None
         self.chunk: _Chunk | None = None
         self.reader: asyncio.Task | None = None
+        self.ended = False
+        """vLLM ended the request (an error, its engine gone): no chunk can follow."""
 
     def send(self, engine, chunk: _Chunk, streaming_input) -> None:
         self.chunk = chunk
+        if self.ended:  # ended while the row was not decoding (its search): the row fails now, not never
+            chunk.fail(VllmError(f"vLLM ended the session {self.request_id}"))
+            return
         if self.reader is None:
             self.inbox = asyncio.Queue()
             outputs = engine.generate(self._inputs(), streaming_input.sampling_params, self.request_id)
@@ -114,9 +125,12 @@ class _Session:
         except asyncio.CancelledError:  # aborted: vLLM's generate() aborts the request on its way out
             raise
         except BaseException as e:  # noqa: BLE001 - the engine thread raises it for this row alone
+            self.ended = True
             self.chunk.fail(e)
+            await outputs.aclose()  # a request still running (a malformed output) is aborted now
             return
-        self.chunk.fail(VllmError(f"vLLM ended the session {self.request_id} while a chunk was in flight"))
+        self.ended = True
+        self.chunk.fail(VllmError(f"vLLM ended the session {self.request_id}"))
 
     def abort(self) -> None:
         if self.reader is not None:
@@ -137,9 +151,10 @@ class VllmStreamRunner(StreamingRunner):
     mode = "stream"
 
     def __init__(self, host: VllmHost, vocab_size: int, *, top_logprobs: int = 20, context_limit: int = 8192,
-                 marker_rules=None, timeout_s: float | None = None):
+                 marker_rules=None, timeout_s: float | None = TOKEN_TIMEOUT_S):
         self.host, self.marker_rules = host, marker_rules
         self._aborted: list[_Session] = []
+        self._closed = False
         super().__init__(_NoSlots(), vocab_size, top_logprobs=top_logprobs, context_limit=context_limit,
                          timeout_s=timeout_s)
 
@@ -169,10 +184,10 @@ class VllmStreamRunner(StreamingRunner):
         """Leading tokens of the row whose KV its session holds and may go on from, or None: its last
         chunk ended (vLLM keeps that chunk's tokens but its last) and the engine took those tokens."""
         chunk = row.stream
-        if row.session is None or chunk is None or not chunk.finished or not chunk.tokens:
+        if row.session is None or row.session.ended or chunk is None or not chunk.finished or not chunk.tokens:
             return None
         held = chunk.start + chunk.sent + len(chunk.tokens) - 1
-        if len(row.tokens) < held or row.tokens[chunk.start + chunk.sent:held] != chunk.tokens[:-1]:
+        if len(row.tokens) <= held or row.tokens[chunk.start + chunk.sent:held] != chunk.tokens[:-1]:
             return None
         return held
 
@@ -206,15 +221,18 @@ class VllmStreamRunner(StreamingRunner):
             self._abort(row)
 
     def close(self) -> None:
-        self._release(self.rows)
-        self.rows = []
-        sessions, self._aborted = self._aborted, []
+        if self._closed:
+            return
+        self._closed = True
 
-        async def settled():  # each aborted request's clean-up (vLLM's abort) runs before the loop may close
+        async def settled(sessions):  # each aborted request's clean-up (vLLM's abort) runs before the loop closes
             await asyncio.gather(*(s.reader for s in sessions if s.reader is not None), return_exceptions=True)
 
         try:
-            self.host.loop.run(settled(), timeout=30)
+            self._release(self.rows)
+            self.rows = []
+            sessions, self._aborted = self._aborted, []
+            self.host.loop.run(settled(sessions), timeout=30)
         finally:
             self.host.close()
 

@@ -75,15 +75,17 @@ class VllmHost:
         if self._closed:
             return
         self._closed = True
-        if self.owns_engine and hasattr(self.engine, "shutdown"):
-            engine, self.engine = self.engine, None
-            self.loop.run(_call(engine.shutdown, timeout=SHUTDOWN_TIMEOUT_S), timeout=SHUTDOWN_TIMEOUT_S + 30)
-            # AsyncLLM.__del__ shuts down once more: let that happen now, not at interpreter exit,
-            # where vLLM's module globals are already gone (a TypeError printed on the way out)
-            del engine
-            gc.collect()
-        if self.owns_loop:
-            self.loop.close()
+        try:
+            if self.owns_engine and hasattr(self.engine, "shutdown"):
+                engine, self.engine = self.engine, None
+                self.loop.run(_call(engine.shutdown, timeout=SHUTDOWN_TIMEOUT_S), timeout=SHUTDOWN_TIMEOUT_S + 30)
+                # AsyncLLM.__del__ shuts down once more: let that happen now, not at interpreter exit,
+                # where vLLM's module globals are already gone (a TypeError printed on the way out)
+                del engine
+                gc.collect()
+        finally:
+            if self.owns_loop:
+                self.loop.close()
 
 
 def predictions(ids: list[int], logprobs: list, top_logprobs: int) -> list[Prediction]:

@@ -28,6 +28,8 @@ def build_retriever(cfg: RetrieverConfig, cache_dir: Path | None = None,
     from ..models.embedded import cache_dir as default_cache
 
     cache = cache_dir or default_cache()
+    if cfg.type == "python":
+        return _rerank(from_factory(cfg.factory, cfg.factory_args), cfg, cache)
     if cfg.type == "milvus":
         from .milvus import MilvusRetriever
 
@@ -50,6 +52,31 @@ def build_retriever(cfg: RetrieverConfig, cache_dir: Path | None = None,
         timeout_s=cfg.timeout_s, typo_similarity=cfg.typo_similarity,
     )
     return _rerank(retriever, cfg, cache)
+
+
+def from_factory(factory: str, kwargs: dict) -> Retriever:
+    """``retriever.type: python``: ``package.module:callable(**kwargs)``, which must return an object
+    with ``search_batch(queries, top_k, filters=None)``. Its hits pass the retrieval worker's checks
+    like any retriever's. RetrievalError, naming the factory, for anything that keeps it from starting."""
+    import importlib
+
+    module_name, _, attr = factory.partition(":")
+    try:
+        target = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as e:
+        raise RetrievalError(f"retriever.factory {factory!r} cannot be imported: {e}") from None
+    if not callable(target):
+        raise RetrievalError(f"retriever.factory {factory!r} is not callable")
+    try:
+        retriever = target(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the user's code: say whose it is
+        raise RetrievalError(f"retriever.factory {factory!r} failed: {type(e).__name__}: {e}") from e
+    if not callable(getattr(retriever, "search_batch", None)):
+        raise RetrievalError(f"retriever.factory {factory!r} returned a {type(retriever).__name__}, which has no "
+                             "search_batch(queries, top_k, filters=None): not a retriever")
+    return retriever
 
 
 def _rerank(retriever: Retriever, cfg: RetrieverConfig, cache: Path) -> Retriever:
