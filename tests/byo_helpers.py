@@ -48,3 +48,48 @@ def broken(**kwargs):
 
 def not_a_retriever(**kwargs):
     return {"search": "nothing"}
+
+
+def _demo_docs(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def langchain_store(path: str, k: int = 3):
+    """A LangChain in-memory vector store over a JSONL corpus, as a rig retriever."""
+    from langchain_core.documents import Document
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from rig_decode.retrieval.frameworks import LangChainRetriever, RigEmbeddings
+
+    store = InMemoryVectorStore(RigEmbeddings())
+    store.add_documents([Document(page_content=d["text"], metadata={"title": d["title"], **d.get("metadata", {})},
+                                  id=d["id"]) for d in _demo_docs(path)])
+    return LangChainRetriever(store)
+
+
+def llamaindex_store(path: str, k: int = 3):
+    """A LlamaIndex in-memory vector index over a JSONL corpus (one node per document, rig's
+    embedder as its embed model), as a rig retriever."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.embeddings import BaseEmbedding
+    from llama_index.core.schema import TextNode
+
+    from rig_decode.retrieval.dense import Embedder
+    from rig_decode.retrieval.frameworks import LlamaIndexRetriever
+
+    embedder = Embedder("all-minilm-l6-v2")
+
+    class MiniLM(BaseEmbedding):
+        def _get_query_embedding(self, query):
+            return embedder.encode([query])[0].tolist()
+
+        def _get_text_embedding(self, text):
+            return embedder.encode([text])[0].tolist()
+
+        async def _aget_query_embedding(self, query):
+            return self._get_query_embedding(query)
+
+    nodes = [TextNode(id_=d["id"], text=d["text"], metadata={"title": d["title"]}) for d in _demo_docs(path)]
+    index = VectorStoreIndex(nodes=nodes, embed_model=MiniLM())
+    return LlamaIndexRetriever(index.as_retriever(similarity_top_k=k))
