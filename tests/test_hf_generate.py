@@ -22,8 +22,9 @@ def _padded(tok, prompts):
 
 
 def test_generate_gives_the_engines_tokens_and_hops_on_a_ragged_batch(model, tok, monkeypatch):
-    """Two prompts of different lengths, left-padded: each row's tokens after its input are the
-    engine's, and so are its hops (the tiny model writes no markers: a script forces them, in both)."""
+    """``model.generate(custom_generate=...)`` on two prompts of different lengths, left-padded: each
+    row's tokens after its input are the engine's, and so are its hops (the tiny model writes no
+    markers: a script forces them, in both)."""
     import rig_decode.engine
     from rig_decode import RigConfig
 
@@ -39,8 +40,9 @@ def test_generate_gives_the_engines_tokens_and_hops_on_a_ragged_batch(model, tok
             super().__init__(*args, extra_processors=[ForceScript(script)], **kwargs)
 
     monkeypatch.setattr(rig_decode.engine, "RigEngine", Scripted)
-    out = generate(model, ids, attention_mask=mask, tokenizer=tok, retriever=ScriptedRetriever(), config=cfg,
-                   max_new_tokens=40, return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=mask, custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
+                         tokenizer=tok, retriever=ScriptedRetriever(), config=cfg, max_new_tokens=40,
+                         return_dict_in_generate=True)
     assert isinstance(out, RigGenerateOutput) and out.sequences.shape[0] == 2
     assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
     for i, s in enumerate(local):
