@@ -22,4 +22,5 @@ else
   echo "[test] cmake or c++ not found: the native extension and llama-server are not built; their tests will be skipped"
 fi
 # pytest exits 5 when it collected no test: that fails this script like any other failure.
-exec .venv/bin/python -m pytest -q "$@"
+# the slowest tests are listed at the end: what to look at when the suite nears its time limit
+exec .venv/bin/python -m pytest -q --durations=20 "$@"
