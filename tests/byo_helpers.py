@@ -55,7 +55,7 @@ def _demo_docs(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def langchain_store(path: str, k: int = 3):
+def langchain_store(path: str):
     """A LangChain in-memory vector store over a JSONL corpus, as a rig retriever."""
     from langchain_core.documents import Document
     from langchain_core.vectorstores import InMemoryVectorStore

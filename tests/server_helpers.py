@@ -50,6 +50,23 @@ def tiny_config(**server) -> RigConfig:
 serve = serve_in_thread
 
 
+def ask_plain_and_streamed(base: str, model: str, question: str):
+    """One chat question through the official ``openai`` client, plainly and streamed: (the plain
+    completion, the streamed text, the hop queries the stream's ``rig`` events carried)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": question}]
+    plain = client.chat.completions.create(model=model, messages=messages)
+    text, hops = [], []
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+        elif "hop" in (chunk.model_extra.get("rig") or {}):
+            hops.append(chunk.model_extra["rig"]["hop"]["query"])
+    return plain, "".join(text), hops
+
+
 def wait_for(predicate, timeout: float = 10.0) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:

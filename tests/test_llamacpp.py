@@ -148,12 +148,12 @@ def test_remote_llamacpp_answers_like_the_in_process_backend(llama_server):
 def test_rig_serve_in_front_of_llama_server_answers_the_openai_client(merged_server):
     """``rig serve --backend remote`` in front of the real llama-server: the official ``openai`` client
     gets the in-process answer, plainly and streamed, the stream carrying each hop's query."""
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from rig_decode import RigConfig, RigSession
     from rig_decode.adapters import embedded_adapter
     from rig_decode.server import create_app
 
-    from .server_helpers import serve
+    from .server_helpers import ask_plain_and_streamed, serve
 
     question = QUESTIONS[0]
     cfg = RigConfig().updated(model={"max_tokens": 96})
@@ -163,15 +163,7 @@ def test_rig_serve_in_front_of_llama_server_answers_the_openai_client(merged_ser
                          engine={"backend": "remote", "remote": {"base_url": merged_server}},
                          server={"model_name": "rig"})
     with RigSession(remote) as session, serve(create_app(remote, engine=session.engine)) as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        messages = [{"role": "user", "content": question}]
-        plain = client.chat.completions.create(model="rig", messages=messages)
-        text, hops = [], []
-        for chunk in client.chat.completions.create(model="rig", messages=messages, stream=True):
-            if chunk.choices:
-                text.append(chunk.choices[0].delta.content or "")
-            elif "hop" in (chunk.model_extra.get("rig") or {}):
-                hops.append(chunk.model_extra["rig"]["hop"]["query"])
-    assert plain.choices[0].message.content == "".join(text) == local_answer
+        plain, text, hops = ask_plain_and_streamed(base, "rig", question)
+    assert plain.choices[0].message.content == text == local_answer
     assert hops == [s.query for s in local_trace.retrieval_steps] and len(hops) >= 1
     assert [h["query"] for h in plain.model_extra["rig"]["hops"]] == hops

@@ -92,12 +92,12 @@ def test_a_dropped_stream_or_garbage_fails_that_row_alone(model, tok):
 
 def test_rig_serve_on_the_remote_backend_answers_the_openai_client(model, tok):
     """``rig serve --backend remote``: plain and streaming (with hop events) through the official client."""
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from rig_decode import RigConfig, RigSession
     from rig_decode.server import create_app
 
     from .helpers import ScriptedRetriever
-    from .server_helpers import serve
+    from .server_helpers import ask_plain_and_streamed, serve
 
     question = "Which release fixed error E1234 and who approved it?"
     cfg = RigConfig().updated(model={"max_tokens": 30, "adapter": None},
@@ -107,17 +107,9 @@ def test_rig_serve_on_the_remote_backend_answers_the_openai_client(model, tok):
         remote = cfg.updated(engine={"backend": "remote", "remote": {"base_url": llama.url}})
         session = RigSession(remote, tokenizer=tok, retriever=ScriptedRetriever())
         with serve(create_app(remote.updated(server={"model_name": "tiny"}), engine=session.engine)) as base:
-            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-            messages = [{"role": "user", "content": question}]
-            plain = client.chat.completions.create(model="tiny", messages=messages)
-            text, hops = [], []
-            for chunk in client.chat.completions.create(model="tiny", messages=messages, stream=True):
-                if chunk.choices:
-                    text.append(chunk.choices[0].delta.content or "")
-                elif "hop" in (chunk.model_extra.get("rig") or {}):
-                    hops.append(chunk.model_extra["rig"]["hop"]["query"])
+            plain, text, hops = ask_plain_and_streamed(base, "tiny", question)
         session.close()
-    assert plain.choices[0].message.content == "".join(text) == local_answer
+    assert plain.choices[0].message.content == text == local_answer
     assert len(hops) == plain.model_extra["rig"]["num_hops"] == 1
     assert [h["query"] for h in plain.model_extra["rig"]["hops"]] == hops
     assert all(r["stream"] for r in llama.requests)

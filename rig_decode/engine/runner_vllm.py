@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from .runner_remote import Completion, RemoteRow, RemoteRunner
 from .runner_vllm_stream import VllmStreamRunner
 from .vllm_api import VllmApi, engine_args_kwargs, load_vllm_api, resolve_mode
-from .vllm_host import IDS_ONLY, EventLoopThread, VllmError, VllmHost, predictions
+from .vllm_host import IDS_ONLY, EventLoopThread, NoServer, VllmError, VllmHost, predictions, rule_args
 
 
 _ids = itertools.count()
@@ -45,7 +45,7 @@ class VllmRunner(RemoteRunner):
     def __init__(self, host: VllmHost, vocab_size: int, *, top_logprobs: int = 20, lookahead: int = 16,
                  context_limit: int = 8192, marker_rules=None, timeout_s: float | None = None):
         self.host, self.marker_rules, self.timeout_s = host, marker_rules, timeout_s
-        super().__init__(_NoServer(), vocab_size, lookahead=lookahead, top_logprobs=top_logprobs,
+        super().__init__(NoServer(), vocab_size, lookahead=lookahead, top_logprobs=top_logprobs,
                          context_limit=context_limit)
 
     @property
@@ -70,11 +70,10 @@ class VllmRunner(RemoteRunner):
         self._take(ask, self.host.loop.run(all_rows(), self.timeout_s))
 
     async def _request_one(self, row: _PrefixRow) -> tuple[Completion, dict]:
-        api, tokens, extra = self.host.api, list(row.tokens), {}
-        if self.marker_rules is not None:
-            extra["extra_args"] = self.marker_rules.to_extra_args(count_from=row.prompt_len)
+        api, tokens = self.host.api, list(row.tokens)
         params = api.SamplingParams(max_tokens=self._predict_n(tokens), temperature=0.0, logprobs=self.top_logprobs,
-                                    output_kind=api.RequestOutputKind.FINAL_ONLY, **IDS_ONLY, **extra)
+                                    output_kind=api.RequestOutputKind.FINAL_ONLY, **IDS_ONLY,
+                                    **rule_args(self.marker_rules, row.prompt_len))
         final = None
         async for out in self.engine.generate(api.TokensPrompt(prompt_token_ids=tokens), params, f"rig-p{next(_ids)}"):
             final = out
@@ -114,16 +113,6 @@ def vllm_runner_on(engine, api: VllmApi, vocab_size: int, *, mode: str = "auto",
                                 marker_rules=marker_rules, timeout_s=timeout_s)
     return VllmRunner(host, vocab_size, top_logprobs=top_logprobs, lookahead=lookahead,
                       context_limit=context_limit, marker_rules=marker_rules, timeout_s=timeout_s)
-
-
-class _NoServer:
-    """The remote runner's server slot: vLLM is asked through ``VllmRunner._ask`` instead."""
-
-    def context_limit(self) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
 
 
 def vllm_runner(cfg, tokenizer_len: int, *, tokenizer=None, api: VllmApi | None = None, engine=None,

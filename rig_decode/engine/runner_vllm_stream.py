@@ -30,7 +30,7 @@ import queue
 from dataclasses import dataclass
 
 from .runner_stream import END, StreamingRunner, StreamRow
-from .vllm_host import IDS_ONLY, VllmError, VllmHost, predictions
+from .vllm_host import IDS_ONLY, NoServer, VllmError, VllmHost, predictions, rule_args
 
 _ids = itertools.count()
 
@@ -155,7 +155,7 @@ class VllmStreamRunner(StreamingRunner):
         self.host, self.marker_rules = host, marker_rules
         self._aborted: list[_Session] = []
         self._closed = False
-        super().__init__(_NoSlots(), vocab_size, top_logprobs=top_logprobs, context_limit=context_limit,
+        super().__init__(NoServer(), vocab_size, top_logprobs=top_logprobs, context_limit=context_limit,
                          timeout_s=timeout_s)
 
     @property
@@ -193,12 +193,10 @@ class VllmStreamRunner(StreamingRunner):
 
     def _input(self, row: _SessionRow, tokens: list[int]):
         api = self.host.api
-        extra = {}
-        if self.marker_rules is not None:
-            extra["extra_args"] = self.marker_rules.to_extra_args(count_from=row.prompt_len)
         params = api.SamplingParams(max_tokens=self._predict_n(row.tokens), temperature=0.0,
                                     logprobs=self.top_logprobs, output_kind=api.RequestOutputKind.DELTA,
-                                    stop_token_ids=sorted(self.stop_after), **IDS_ONLY, **extra)
+                                    stop_token_ids=sorted(self.stop_after), **IDS_ONLY,
+                                    **rule_args(self.marker_rules, row.prompt_len))
         return api.StreamingInput(prompt=api.TokensPrompt(prompt_token_ids=list(tokens)), sampling_params=params)
 
     def _abort(self, row: _SessionRow) -> None:
@@ -235,14 +233,3 @@ class VllmStreamRunner(StreamingRunner):
             self.host.loop.run(settled(sessions), timeout=30)
         finally:
             self.host.close()
-
-
-class _NoSlots:
-    """``StreamingRunner``'s server: vLLM schedules any number of rows and reports no context."""
-
-    def total_slots(self) -> None:
-        return None
-
-    def context_limit(self) -> None:
-        return None
-

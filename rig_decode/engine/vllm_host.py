@@ -99,3 +99,23 @@ def predictions(ids: list[int], logprobs: list, top_logprobs: int) -> list[Predi
         pairs.sort(key=lambda kv: -kv[1])
         preds.append(Prediction(int(tok), pairs[:top_logprobs] or [(int(tok), 0.0)]))
     return preds
+
+
+def rule_args(marker_rules, prompt_len: int) -> dict:
+    """``SamplingParams`` keywords carrying the marker rules (``vllm_logits.MarkerRules``, or None:
+    none), counted from where the request's own tokens start."""
+    return {} if marker_rules is None else {"extra_args": marker_rules.to_extra_args(count_from=prompt_len)}
+
+
+class NoServer:
+    """The remote runners' server: vLLM is asked through the runner itself, takes any number of rows
+    and reports no context limit of its own."""
+
+    def context_limit(self) -> None:
+        return None
+
+    def total_slots(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
