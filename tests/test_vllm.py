@@ -174,6 +174,15 @@ def test_prefix_mode_serves_steps_from_the_lookahead(model, tok):
     runner.close()
 
 
+def test_a_stream_runner_built_from_the_config_waits_a_bounded_time_for_a_token(model, tok):
+    from rig_decode.engine.runner_vllm_stream import TOKEN_TIMEOUT_S
+
+    cfg = RigConfig.from_dict({"model": {"name": "org/m"}, "engine": {"backend": "vllm"}})
+    runner = vllm_runner(cfg, len(tok), api=fake_api(model, tok.eos_token_id))
+    assert runner.mode == "stream" and runner.timeout_s == TOKEN_TIMEOUT_S
+    runner.close()
+
+
 def test_auto_mode_follows_what_vllm_has(model, tok):
     fake = FakeAsyncLLM(model, tok.eos_token_id)
     with_stream = vllm_runner_on(fake, fake_api(model, tok.eos_token_id), len(tok))

@@ -151,12 +151,13 @@ class VllmStreamRunner(StreamingRunner):
     mode = "stream"
 
     def __init__(self, host: VllmHost, vocab_size: int, *, top_logprobs: int = 20, context_limit: int = 8192,
-                 marker_rules=None, timeout_s: float | None = TOKEN_TIMEOUT_S):
+                 marker_rules=None, timeout_s: float | None = None):
+        """``timeout_s``: how long to wait for a row's next token (None: ``TOKEN_TIMEOUT_S``)."""
         self.host, self.marker_rules = host, marker_rules
         self._aborted: list[_Session] = []
         self._closed = False
         super().__init__(NoServer(), vocab_size, top_logprobs=top_logprobs, context_limit=context_limit,
-                         timeout_s=timeout_s)
+                         timeout_s=TOKEN_TIMEOUT_S if timeout_s is None else timeout_s)
 
     @property
     def engine(self):
