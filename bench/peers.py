@@ -67,7 +67,7 @@ from rig_decode.markers import MarkerSpec
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script (the tests load this file)
 from harness import emit  # noqa: E402
-from peers_report import SYSTEMS, RunResult, print_report, result_json, summarize  # noqa: E402
+from peers_report import SYSTEMS, RunResult, combine_runs, print_report, result_json, summarize  # noqa: E402
 from peers_systems import System, erase_llama_slots, log, run_rig, vllm_systems  # noqa: E402
 from resubmit import LlamaCompleter, run_resubmit  # noqa: E402
 
@@ -93,25 +93,38 @@ class SearchDelay:
 
 
 def measure(systems: list[System], prompts: list[list[int]], concurrency: list[int], max_new_tokens: int,
-            warmup: int = 1, warmup_tokens: int = 8) -> tuple[dict[str, dict[int, RunResult]], dict[str, str]]:
-    """Every system at every concurrency; ({name: {concurrency: run}}, {name: error})."""
-    runs, errors = {}, {}
-    for system in systems:
+            warmup: int = 1, warmup_tokens: int = 8,
+            repeat: int = 1) -> tuple[dict[str, dict[int, RunResult]], dict[str, str]]:
+    """Every system at every concurrency, ``repeat`` times over, interleaved (each round runs every
+    concurrency of every system in turn, so a slow spell of the machine falls on all of them alike);
+    ({name: {concurrency: the runs combined}}, {name: error})."""
+    runs: dict[str, dict[int, list[RunResult]]] = {}
+    errors: dict[str, str] = {}
+
+    def attempt(system: System, what, label: str) -> None:
         try:
-            if warmup:
-                log(f"{system.name}: warm-up ({warmup} question(s), {warmup_tokens} tokens)")
-                system.run(prompts[:warmup], 1, warmup_tokens)
-            for c in concurrency:
-                if system.before_run is not None:
-                    system.before_run()
-                r = system.run(prompts, c, max_new_tokens)
-                runs.setdefault(system.name, {})[c] = r
-                log(f"{system.name} c{c}: {len(prompts)} questions, {len(r.hops)} hops, {sum(r.generated)} tokens, "
-                    f"{r.wall_s:.1f} s")
+            what()
         except Exception as e:  # noqa: BLE001 - one failing system must not hide the others' figures
             errors[system.name] = f"{type(e).__name__}: {e}"
-            log(f"{system.name}: error: {errors[system.name]}")
-    return runs, errors
+            log(f"{system.name}{label}: error: {errors[system.name]}")
+
+    if warmup:
+        for system in systems:
+            log(f"{system.name}: warm-up ({warmup} question(s), {warmup_tokens} tokens)")
+            attempt(system, lambda: system.run(prompts[:warmup], 1, warmup_tokens), "")
+    for rnd in range(repeat):
+        for c in concurrency:
+            for system in [s for s in systems if s.name not in errors]:
+                def one(system=system, c=c):
+                    if system.before_run is not None:
+                        system.before_run()
+                    r = system.run(prompts, c, max_new_tokens)
+                    runs.setdefault(system.name, {}).setdefault(c, []).append(r)
+                    log(f"{system.name} c{c}{f' run {rnd + 1}/{repeat}' if repeat > 1 else ''}: {len(prompts)} "
+                        f"questions, {len(r.hops)} hops, {sum(r.generated)} tokens, {r.wall_s:.1f} s")
+
+                attempt(system, one, f" c{c}")
+    return {name: {c: combine_runs(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}, errors
 
 
 # -- building the real systems -------------------------------------------------------------------------
@@ -135,6 +148,9 @@ def parse_args(argv=None):
     p.add_argument("--vllm-kv-gib", type=float, help="vLLM's KV cache in GiB (default: 1 on vLLM's CPU build)")
     p.add_argument("--warmup", type=int, default=1,
                    help="questions each system answers (8 tokens) before it is measured")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each system at each concurrency, interleaved; each figure is the median run's "
+                        "(tokens/s) or over all runs' hops (per hop)")
     return p.parse_args(argv)
 
 
@@ -234,7 +250,8 @@ def main(argv=None) -> int:
         if not args.llama_server:
             skipped[n] = "no --llama-server URL"
     if llama_names and args.llama_server:
-        from rig_decode.engine.runner_remote import LlamaCppServer, RemoteRunner
+        from rig_decode.engine.runner_remote import RemoteRunner
+        from rig_decode.engine.servers import LlamaCppServer
         from rig_decode.engine.runner_stream import StreamingRunner
 
         probe = LlamaCppServer(args.llama_server)
@@ -270,7 +287,8 @@ def main(argv=None) -> int:
     for n, why in skipped.items():
         log(f"{n}: skipped: {why}")
     try:
-        runs, errors = measure(systems, prompts, concurrency, args.max_tokens, warmup=args.warmup)
+        runs, errors = measure(systems, prompts, concurrency, args.max_tokens, warmup=args.warmup,
+                               repeat=args.repeat)
     finally:
         for fn in cleanup:
             try:
@@ -281,7 +299,7 @@ def main(argv=None) -> int:
     adapter = cfg.model.adapter
     result = result_json(summary, skipped, errors, concurrency, dataset=str(args.dataset), questions=len(examples),
                          min_hops=args.min_hops, search_ms=args.search_ms, max_iterations=cfg.rig.max_iterations,
-                         max_tokens=args.max_tokens,
+                         max_tokens=args.max_tokens, repeat=args.repeat,
                          model=f"{cfg.model.name} (adapter: {adapter})",
                          search_calls=retriever.calls)
     print_report(result)

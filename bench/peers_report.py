@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rig_decode.eval.metrics import contains_answer, percentile
@@ -53,6 +53,8 @@ class RunResult:
     """Per row: the tokens decoded in that time."""
     plans: list | None = None
     """rig's rows as ``vllm-alone`` replays them (``peers_systems.replay_plan``)."""
+    tok_s_runs: list[float] | None = None
+    """Each run's tokens/s, where this result combines several (``combine_runs``)."""
 
     @property
     def tok_s(self) -> float:
@@ -64,6 +66,22 @@ class RunResult:
         took, summed over rows (1 / the mean inter-token time)."""
         seconds = sum(self.decode_ms) / 1e3
         return round(sum(self.decode_tokens) / seconds, 2) if seconds > 0 else None
+
+
+def combine_runs(runs: list[RunResult]) -> RunResult:
+    """One system's runs at one concurrency as one: the run of median tokens/s (the lower of the two
+    middle ones for an even count) with every run's hops, latencies and decoding stretches pooled, and
+    each run's tokens/s kept (``tok_s_runs``)."""
+    if len(runs) == 1:
+        return runs[0]
+    median = sorted(runs, key=lambda r: r.tok_s)[(len(runs) - 1) // 2]
+    pooled = replace(median, hops=[h for r in runs for h in r.hops],
+                     latency_ms=[v for r in runs for v in r.latency_ms],
+                     decode_ms=[v for r in runs for v in r.decode_ms],
+                     decode_tokens=[v for r in runs for v in r.decode_tokens],
+                     errors=[e for r in runs for e in r.errors])
+    pooled.tok_s_runs = [round(r.tok_s, 2) for r in runs]
+    return pooled
 
 
 def _p(values, q=50):
@@ -94,6 +112,8 @@ def summarize(runs: dict[str, dict[int, RunResult]], gold: list[list[str]] | Non
             s[f"per_hop_ms_c{c}"] = _p([h.ms for h in r.hops])
             s[f"p95_ms_c{c}"] = _p(r.latency_ms, 95)
             s[f"decode_tok_s_c{c}"] = r.decode_tok_s
+            if r.tok_s_runs:
+                s[f"tok_s_c{c}_runs"] = r.tok_s_runs
             if ref is not None and r.answers:
                 s[f"same_answers_c{c}"] = f"{sum(a == b for a, b in zip(r.answers, ref))}/{len(ref)}"
         s["retokenized_hops"] = low.retokenized_hops
@@ -138,6 +158,10 @@ def ratios(summary: dict[str, dict], concurrency: list[int], rig: str = "rig-vll
     for c in concurrency:
         x, y = a.get(f"tok_s_c{c}"), b.get(f"tok_s_c{c}")
         out[f"end_to_end_c{c}"] = round(x / y, 2) if x and y else None
+    for c in concurrency:  # run by run (the runs were interleaved: run i of each ran side by side)
+        xs, ys = a.get(f"tok_s_c{c}_runs"), b.get(f"tok_s_c{c}_runs")
+        if xs and ys and len(xs) == len(ys):
+            out[f"end_to_end_c{c}_runs"] = [round(x / y, 2) if y else None for x, y in zip(xs, ys)]
     return out
 
 
@@ -170,6 +194,10 @@ def print_report(result: dict, out=None) -> None:
             per_hop = ", ".join(f"c{c} {_fmt(r.get(f'per_hop_c{c}'))}x" for c in cs)
             end = ", ".join(f"c{c} {_fmt(r.get(f'end_to_end_c{c}'))}x" for c in cs)
             print(f"{rig} vs {peer}: per hop {per_hop} faster; tokens/s {end}", file=out)
+            by_run = [f"c{c} " + " ".join(f"{_fmt(v)}x" for v in r[f"end_to_end_c{c}_runs"])
+                      for c in cs if r.get(f"end_to_end_c{c}_runs")]
+            if by_run:
+                print(f"  tokens/s run by run: {'; '.join(by_run)}", file=out)
     alone = result.get("decode_vs_alone") or {}
     if any(v is not None for v in alone.values()):
         print(f"{ALONE[0]} decoding between hops vs {ALONE[1]} on the same rows: "

@@ -239,7 +239,7 @@ def erase_llama_slots(base_url: str):
     so no system starts on prompts an earlier one left there. The server needs ``--slot-save-path``
     for the erase action and ``--cache-ram 0`` so that no prompt comes back from its host-memory
     cache; without them the run goes on and the log says the cache stays warm."""
-    from rig_decode.engine.runner_remote import HttpServer, RemoteError
+    from rig_decode.engine.servers import HttpServer, RemoteError
 
     def erase():
         server = HttpServer(base_url)

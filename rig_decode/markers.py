@@ -20,6 +20,8 @@ token to force to close an over-long query.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -159,27 +161,58 @@ class _Dfa:
             self.step.append(row)
 
 
+class _TokenTable:
+    """A tokenizer's ``token_bytes_table`` and the id sets scanned from it, built once per tokenizer
+    (a scan of the whole vocabulary takes a noticeable fraction of a second): every engine, session
+    and test over one tokenizer shares them."""
+
+    def __init__(self, tokenizer):
+        self.token_bytes: tuple[bytes, ...] = tuple(token_bytes_table(tokenizer))
+        self._scans: dict[tuple, torch.Tensor] = {}
+
+    def scan(self, key: tuple, keep) -> torch.Tensor:
+        """The ids whose bytes ``keep(b)`` accepts, remembered under ``key`` (it names ``keep``)."""
+        hit = self._scans.get(key)
+        if hit is None:
+            hit = self._scans[key] = torch.tensor([t for t, b in enumerate(self.token_bytes) if keep(b)],
+                                                  dtype=torch.long)
+        return hit
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def _token_table(tokenizer) -> _TokenTable:
+    """The shared table of this tokenizer (rebuilt if tokens were added since)."""
+    with _TABLES_LOCK:
+        try:
+            table = _TABLES.get(tokenizer)
+        except TypeError:  # a tokenizer that cannot be weakly referenced: its own table
+            return _TokenTable(tokenizer)
+        if table is None or len(table.token_bytes) != len(tokenizer):
+            table = _TABLES[tokenizer] = _TokenTable(tokenizer)
+        return table
+
+
 class MarkerVocab:
     """Everything about a (tokenizer, marker spec) pair that is computed once and shared by rows."""
 
     def __init__(self, tokenizer, spec: MarkerSpec):
         self.tokenizer, self.spec = tokenizer, spec
-        self.token_bytes = token_bytes_table(tokenizer)
+        self._table = _token_table(tokenizer)
+        self.token_bytes = self._table.token_bytes
         self.start = [_Dfa(s.encode()) for s in spec.start]
         self.end = [_Dfa(e.encode()) for e in spec.end]
-        self._ban_cache: dict[tuple[int, ...], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.token_bytes)
 
     def start_completing_ids(self, states: tuple[int, ...]) -> torch.Tensor:
         """Token ids that, fed from these start-DFA states, would complete a start delimiter."""
-        hit = self._ban_cache.get(states)
-        if hit is None:
-            needles = [(d.pattern, d.pattern[:s]) for d, s in zip(self.start, states)]
-            ids = [t for t, b in enumerate(self.token_bytes) if b and any(p in pre + b for p, pre in needles)]
-            hit = self._ban_cache[states] = torch.tensor(ids, dtype=torch.long)
-        return hit
+        needles = tuple((d.pattern, d.pattern[:s]) for d, s in zip(self.start, states))
+        return self._table.scan(("completes", needles),
+                                lambda b: b and any(p in pre + b for p, pre in needles))
 
     @property
     def commit_len(self) -> int:
@@ -189,12 +222,12 @@ class MarkerVocab:
     @cached_property
     def whole_end_ids(self) -> torch.Tensor:
         """Tokens that spell a whole end delimiter by themselves (an added ``<|endofretrieve|>``)."""
-        ends = {d.pattern for d in self.end}
-        return torch.tensor([t for t, b in enumerate(self.token_bytes) if b in ends], dtype=torch.long)
+        ends = frozenset(d.pattern for d in self.end)
+        return self._table.scan(("spells", ends), lambda b: b in ends)
 
     @cached_property
     def newline_ids(self) -> torch.Tensor:
-        return torch.tensor([t for t, b in enumerate(self.token_bytes) if b"\n" in b], dtype=torch.long)
+        return self._table.scan(("newline",), lambda b: b"\n" in b)
 
     @cached_property
     def forced_end(self) -> list[int]:

@@ -19,11 +19,13 @@ import torch
 
 class FakeLlamaServer:
     def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
-                 slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0):
+                 slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0, bad_ids: int = 0):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
         self.drop_connections = drop_connections
         """The first this many completion requests are dropped: the connection is closed unanswered."""
         self.garbage, self.token_delay_s = garbage, token_delay_s
+        self.bad_ids = bad_ids
+        """The first this many streamed completions name a negative token id among their top ones."""
         """``token_delay_s``: a pause after each decoded token (a server slower than its client)."""
         """The first this many completion requests are answered with something that is not JSON."""
         self.slot_actions = slot_actions
@@ -156,6 +158,10 @@ class FakeLlamaServer:
             def _stream(self, body: dict):
                 events = server.generate(body)
                 first = next(events, None)  # a bad request fails before the stream starts
+                with server.lock:
+                    bad, server.bad_ids = server.bad_ids > 0 and first is not None, max(0, server.bad_ids - 1)
+                if bad:
+                    first[1]["top_logprobs"][-1]["id"] = -5
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()

@@ -42,6 +42,21 @@ def test_token_bytes_roundtrip():
     assert b"".join(table[i] for i in ids).decode() == TOK.decode(ids) == s
 
 
+def test_vocabs_over_one_tokenizer_share_its_table_until_it_grows():
+    """Engines over one tokenizer scan its vocabulary once; a token added later is seen."""
+    tok = tiny_tokenizer()
+    a, b = MarkerVocab(tok, MarkerSpec.special_token()), MarkerVocab(tok, MarkerSpec.json())
+    assert a.token_bytes is b.token_bytes and a.newline_ids is b.newline_ids
+    assert a.start_completing_ids((0,)) is MarkerVocab(tok, MarkerSpec.special_token()).start_completing_ids((0,))
+    near_a, near_b = (a.start[0].m - 1,), tuple(d.m - 1 for d in b.start)  # one byte left to write
+    assert set(a.start_completing_ids(near_a).tolist()) != set(b.start_completing_ids(near_b).tolist())
+    before = len(tok)
+    tok.add_tokens(["<zz\nzz>"])
+    grown = MarkerVocab(tok, MarkerSpec.special_token())
+    assert len(grown) == before + 1 and grown.token_bytes[before] == b"<zz\nzz>"
+    assert before in grown.newline_ids.tolist() and before not in a.newline_ids.tolist()
+
+
 def test_special_tokens_are_single_ids_with_their_text():
     ids = TOK_SPECIAL.encode("<|retrieve|>", add_special_tokens=False)
     assert len(ids) == 1

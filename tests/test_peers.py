@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rig_decode.engine import EngineOptions, RigEngine
-from rig_decode.engine.runner_remote import LlamaCppServer
+from rig_decode.engine.servers import LlamaCppServer
 from rig_decode.engine.runner_stream import StreamingRunner
 from rig_decode.engine.runner_vllm import EventLoopThread, vllm_runner_on
 from rig_decode.markers import MarkerSpec
@@ -213,3 +213,38 @@ def test_rig_hops_are_the_traces_first_token_times():
     r = systems.run_rig("rig-hf", lambda c: Engine(), [[1], [2]], 2, 8)
     assert [(h.question, h.ms, h.evaluated) for h in r.hops] == [(0, 12.5, 41), (1, 7.0, 9)]
     assert r.answers == ["answer 0", "answer 1"] and r.latency_ms == [15.0, 15.0] and Engine.closed
+
+
+def test_repeated_runs_interleave_and_report_the_median_run():
+    """``--repeat``: every round runs each concurrency of each system in turn; a system's figure is its
+    median run's tokens/s with every run's hops pooled; rig vs the loop is also given run by run; a
+    system that fails in a later round keeps the runs it had and does not stop the others."""
+    order, walls = [], {"rig-llama": [4.0, 2.0, 1.0], "resubmit-llama": [2.0, 2.0, 2.0]}
+
+    def system(name):
+        def run(prompts, c, n):
+            order.append((name, c))
+            k = sum(1 for o in order if o == (name, c)) - 1
+            if name == "rig-hf" and k == 1:
+                raise RuntimeError("lost the engine")
+            return report.RunResult(name, c, walls.get(name, [1.0] * 3)[k], ["a"], [8], [1.0],
+                                    hops=[report.Hop(0, 100.0 * (k + 1), 5)])
+        return systems.System(name, run)
+
+    peers = [system("rig-hf"), system("rig-llama"), system("resubmit-llama")]
+    runs, errors = bench.measure(peers, [[1]], [1, 2], 8, warmup=0, repeat=3)
+    assert order[:6] == [(n, c) for c in (1, 2) for n in ("rig-hf", "rig-llama", "resubmit-llama")]
+    assert order[6] == ("rig-hf", 1) and ("rig-hf", 2) not in order[7:]  # failed at run 2: left out after
+    assert errors == {"rig-hf": "RuntimeError: lost the engine"}
+    assert set(runs["rig-hf"]) == {1, 2} and runs["rig-hf"][1].tok_s_runs is None  # round 1's runs kept
+    rig = runs["rig-llama"][1]
+    assert rig.tok_s == 4.0 and rig.tok_s_runs == [2.0, 4.0, 8.0]  # the median of 8 tokens in 4, 2, 1 s
+    assert sorted(h.ms for h in rig.hops) == [100.0, 200.0, 300.0]
+    summary = report.summarize(runs)
+    assert summary["rig-llama"]["per_hop_ms_c1"] == 200.0 and summary["rig-llama"]["tok_s_c2_runs"] == [2.0, 4.0, 8.0]
+    r = report.ratios(summary, [1, 2], "rig-llama", "resubmit-llama")
+    assert r["end_to_end_c1"] == 1.0 and r["end_to_end_c1_runs"] == [0.5, 1.0, 2.0]
+    out = io.StringIO()
+    report.print_report(report.result_json(summary, {}, errors, [1, 2], questions=1, search_ms=0.0, model="m",
+                                           dataset="d", min_hops=0, max_iterations=3, max_tokens=8), out)
+    assert "tokens/s run by run: c1 0.5x 1x 2x; c2 0.5x 1x 2x" in out.getvalue()

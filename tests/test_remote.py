@@ -4,7 +4,8 @@ asks the server once per hop rather than once per token, and reports the server'
 import pytest
 
 from rig_decode.engine import EngineOptions, RigEngine
-from rig_decode.engine.runner_remote import LlamaCppServer, RemoteError, RemoteRunner, make_server
+from rig_decode.engine.runner_remote import RemoteRunner
+from rig_decode.engine.servers import LlamaCppServer, RemoteError, make_server
 from rig_decode.engine.runner_stream import StreamingRunner
 from rig_decode.markers import MarkerSpec, MarkerVocab
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rig_decode.engine.runner_remote import LlamaCppServer
+from rig_decode.engine.servers import LlamaCppServer
 from rig_decode.engine.runner_stream import RUN_AHEAD, StreamingRunner
 from rig_decode.markers import MarkerSpec, MarkerVocab
 
@@ -76,16 +76,18 @@ def test_each_row_keeps_its_slot(model, tok):
 
 
 def test_a_dropped_stream_or_garbage_fails_that_row_alone(model, tok):
-    """A request the server drops, or answers with garbage, ends its row with an engine error naming
-    the server; the other rows of the batch finish as the in-process engine finishes them."""
+    """A request the server drops, or answers with garbage (not JSON; a token id no tokenizer has),
+    ends its row with an engine error naming the server (or the token); the other rows of the batch
+    finish as the in-process engine finishes them."""
     script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
     local = _generate(_engine(model, tok, script, max_new_tokens=40), tok, PROMPTS)
-    for fault in ({"drop_connections": 1}, {"garbage": 1}):
+    for fault in ({"drop_connections": 1}, {"garbage": 1}, {"bad_ids": 1}):
         with FakeLlamaServer(model, tok.eos_token_id, **fault) as server:
             runner = StreamingRunner(LlamaCppServer(server.url), len(tok), timeout_s=10)
             remote = _generate(_engine(model, tok, script, runner=runner, max_new_tokens=40), tok, PROMPTS)
         failed = [s for s in remote if s.finish_reason == "error"]
-        assert len(failed) == 1 and server.url in failed[0].trace.engine_errors[0], fault
+        error = failed[0].trace.engine_errors[0] if len(failed) == 1 else None
+        assert error and (server.url in error or "token id -5" in error), (fault, error)
         for a, b in zip(local, remote):
             assert b is failed[0] or (b.token_ids == a.token_ids and b.finish_reason == a.finish_reason)
 
@@ -122,7 +124,7 @@ def test_an_openai_server_stream_is_read_as_vllm_writes_it():
 
     import httpx
 
-    from rig_decode.engine.runner_remote import OpenAICompletionServer
+    from rig_decode.engine.servers import OpenAICompletionServer
 
     chunks = [{"choices": [{"index": 0, "text": "", "token_ids": [5],
                             "logprobs": {"top_logprobs": [{"token_id:5": -0.1, "token_id:7": -2.5}]}}]},

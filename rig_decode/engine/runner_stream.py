@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .runner_remote import Prediction, RemoteError, RemoteRunner, make_server
+from .runner_remote import RemoteRunner
+from .servers import Prediction, RemoteError, make_server
 
 END = object()
 """What a stream's queue holds after its last prediction."""
@@ -170,14 +171,15 @@ class StreamingRunner(RemoteRunner):
             row.tokens += feed
             if not follows:
                 self._open(row)
-        logits = torch.zeros(len(self.rows), self.vocab_size)
+        logits = self._new_logits(feeds)
         for i in fed:
             row = self.rows[i]
             try:
                 row.next = self._next(row)
-                logits[i] = self._scores(row.next.top)
+                self._write_scores(logits[i], row.next.top)
             except RemoteError as e:  # this row's request failed: the others go on
                 self.row_errors[i] = str(e)
+                logits[i] = 0.0
                 row.stream.close()
                 row.stream = row.next = None
         return logits

@@ -28,7 +28,8 @@ import itertools
 import os
 from dataclasses import dataclass
 
-from .runner_remote import Completion, RemoteRow, RemoteRunner
+from .runner_remote import RemoteRow, RemoteRunner
+from .servers import Completion
 from .runner_vllm_stream import VllmStreamRunner
 from .vllm_api import VllmApi, engine_args_kwargs, load_vllm_api, resolve_mode
 from .vllm_host import IDS_ONLY, EventLoopThread, NoServer, VllmError, VllmHost, predictions, rule_args

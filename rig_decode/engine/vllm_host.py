@@ -8,7 +8,7 @@ import gc
 import threading
 from concurrent.futures import Future
 
-from .runner_remote import Prediction, RemoteError
+from .servers import Prediction, RemoteError
 from .vllm_api import VllmApi
 
 
