@@ -19,15 +19,18 @@ import torch
 
 class FakeLlamaServer:
     def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
-                 slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0, bad_ids: int = 0):
+                 slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0, bad_ids: int = 0,
+                 token_text=None):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
         self.drop_connections = drop_connections
         """The first this many completion requests are dropped: the connection is closed unanswered."""
         self.garbage, self.token_delay_s = garbage, token_delay_s
-        self.bad_ids = bad_ids
-        """The first this many streamed completions name a negative token id among their top ones."""
         """``token_delay_s``: a pause after each decoded token (a server slower than its client)."""
         """The first this many completion requests are answered with something that is not JSON."""
+        self.bad_ids = bad_ids
+        """The first this many streamed completions name a negative token id among their top ones."""
+        self.token_text = token_text
+        """id -> text: a request's ``stop`` texts end its completion (without it they are ignored)."""
         self.slot_actions = slot_actions
         """Whether ``POST /slots/N?action=erase`` works (llama-server started with ``--slot-save-path``)."""
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # each: last prompt + what it generated
@@ -71,9 +74,10 @@ class FakeLlamaServer:
             self.used[best] = max(self.used) + 1
             cache_n = min(lcps[best], len(prompt) - 1)  # a fully cached prompt re-evaluates its last token
             self.requests.append({"prompt_len": len(prompt), "n_predict": body.get("n_predict"), "slot": best,
-                                  "stream": bool(body.get("stream"))})
+                                  "stream": bool(body.get("stream")), "stop": body.get("stop")})
             self.slots[best] = ids = list(prompt)
         timings = {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n}
+        text = ""
         for _ in range(min(body.get("n_predict", 16), self.n_ctx - len(prompt))):
             with self.lock, torch.no_grad():
                 logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
@@ -86,7 +90,8 @@ class FakeLlamaServer:
             yield tok, {"id": tok, "logprob": float(top.values[0]),
                         "top_logprobs": [{"id": int(i), "logprob": float(v)} for i, v in zip(top.indices, top.values)]
                         }, timings
-            if tok == self.eos_id:
+            text = text + self.token_text(tok) if self.token_text else ""
+            if tok == self.eos_id or any(text.endswith(stop) for stop in body.get("stop") or []):
                 break
 
     def _handler(self):

@@ -6,6 +6,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from rig_decode.engine import EngineOptions, RigEngine
+from rig_decode.engine.sampling import greedy
 from rig_decode.logits import MarkerTracker, marker_processors
 from rig_decode.markers import MarkerMatcher, MarkerSpec, MarkerVocab
 
@@ -112,3 +113,23 @@ def test_retrieve_first_forces_one_hop_with_the_models_query(model, tok):
     off = RigEngine(model, tok, ScriptedRetriever(), EngineOptions(max_iterations=0, retrieve_first=True,
                                                                    max_new_tokens=10))
     assert off.generate([off.new_sequence(tok.encode("question"), 0)])[0].trace.num_hops == 0
+
+
+def test_greedy_is_argmax_and_a_lone_finite_score_reads_as_forced():
+    """The sampler's greedy pick (numpy on float32 CPU rows, torch otherwise) is torch's argmax, the
+    first of equal maxima, and a row is forced exactly when one score is finite; the scores stay as
+    they were (temperature sampling reads them next)."""
+    x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie: the first one wins
+    x[2] = float("-inf")
+    x[2, 7] = 3.0  # a processor forced token 7
+    x[3] = float("-inf")
+    x[3, [8, 7]] = 3.0  # two tokens left: not forced
+    x[4] = -30.0
+    x[4, 2] = -1.0  # a remote row: the top scores over a finite floor
+    for scores in (x, x.double()):
+        before = scores.clone()
+        tokens, forced = greedy(scores)
+        assert tokens == before.argmax(-1).tolist() and tokens[1] == 5 and tokens[3] == 7
+        assert forced == (torch.isfinite(before).sum(-1) == 1).tolist() == [False, False, True, False, False, False]
+        assert torch.equal(scores, before)

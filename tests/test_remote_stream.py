@@ -8,9 +8,12 @@ import pytest
 
 from rig_decode.engine.servers import LlamaCppServer
 from rig_decode.engine.runner_stream import RUN_AHEAD, StreamingRunner
+from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.markers import MarkerSpec, MarkerVocab
+from rig_decode.prompt import build_prompt
 
-from .helpers import tiny_model
+from .helpers import ScriptedRetriever, tiny_model, tiny_tokenizer
+from .peers_helpers import ANSWERS, END, QUESTIONS, Policy, PolicyModel
 from .remote_helpers import FakeLlamaServer
 from .test_exactness import PROMPTS, _script
 from .test_remote import _engine, _generate, plain_answers
@@ -46,6 +49,27 @@ def test_a_hop_costs_one_request_and_the_stream_stops_while_the_row_searches(tok
         time.sleep(0.5)
         assert server.decoded <= seq.num_generated + RUN_AHEAD * runner.calls, (server.decoded, seq.num_generated)
 
+
+
+def test_the_server_stops_at_the_end_marker_it_writes_itself():
+    """A model that writes its own markers: each stream asks the server to stop at the end
+    delimiter's text, so the server decodes exactly the tokens the engine takes (a closed connection
+    alone would let it decode on until a send failed: here, the EOS that follows an unanswered marker)."""
+    tok = tiny_tokenizer(special_markers=True)
+    policy = Policy(tok)
+    prompts = [build_prompt(tok, q, MarkerSpec.special_token(), "Answer.") for q in QUESTIONS]
+    text = {i: tok.decode([i], skip_special_tokens=False) for i in range(len(tok))}
+    with FakeLlamaServer(PolicyModel(policy, len(tok)), tok.eos_token_id, token_text=text.__getitem__) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok))
+        opts = EngineOptions(max_iterations=3, max_new_tokens=64, evidence_token_budget=96, top_k=2)
+        engine = RigEngine(None, tok, ScriptedRetriever(), opts, runner=runner)
+        seqs = [engine.new_sequence(p, seq_id=i) for i, p in enumerate(prompts)]
+        engine.generate(seqs)
+        engine.close()
+    assert [s.matcher.visible_text().strip() for s in seqs] == ANSWERS
+    assert runner.stop_text == (END,) and all(r["stop"] == [END] for r in server.requests)
+    assert runner.calls == len(seqs) + sum(s.trace.num_hops for s in seqs) == 5
+    assert server.decoded == sum(s.num_generated for s in seqs)
 
 def test_the_batch_is_held_to_the_servers_slots(model, tok):
     """A stream holds its slot while it lives: three rows on a two-slot server decode two at a time,

@@ -52,19 +52,20 @@ class _Stream:
     """One streamed completion: a thread reads the server's predictions into a queue."""
 
     def __init__(self, server, tokens: list[int], max_tokens: int, top_logprobs: int, slot: int | None,
-                 stop_after: frozenset[int] = frozenset()):
+                 stop_after: frozenset[int] = frozenset(), stop_text: tuple[str, ...] = ()):
         self.predictions: queue.Queue = queue.Queue()
         self.info: dict | None = None
         """The server's accounting of the prompt (tokens from its cache, tokens evaluated)."""
         self.closed = False
         self.response = None
         self.thread = threading.Thread(target=self._read, name="rig-remote-stream", daemon=True,
-                                       args=(server, list(tokens), max_tokens, top_logprobs, slot, stop_after))
+                                       args=(server, list(tokens), max_tokens, top_logprobs, slot, stop_after,
+                                             stop_text))
         self.thread.start()
 
-    def _read(self, server, tokens, max_tokens, top_logprobs, slot, stop_after) -> None:
+    def _read(self, server, tokens, max_tokens, top_logprobs, slot, stop_after, stop_text) -> None:
         try:
-            for preds, info in server.stream_completion(tokens, max_tokens, top_logprobs, slot,
+            for preds, info in server.stream_completion(tokens, max_tokens, top_logprobs, slot, stop=stop_text,
                                                         cancelled=lambda: self.closed, opened=self._opened):
                 if info is not None and self.info is None:
                     self.info = info
@@ -136,6 +137,10 @@ class StreamingRunner(RemoteRunner):
         self.stop_after: frozenset[int] = frozenset()
         """Tokens after which a stream closes itself (the engine sets its end delimiter's, where it
         is one token): the server stops then, not when the engine gets there."""
+        self.stop_text: tuple[str, ...] = ()
+        """Text at which the server itself stops (its ``stop`` strings; the engine sets the text of
+        the tokens that spell a whole end delimiter): it decodes nothing past a hop's marker, where a
+        closed connection stops it only once it fails to send the tokens after."""
 
     def reset(self, batch_size: int = 0) -> None:
         self._release(self.rows)
@@ -200,7 +205,7 @@ class StreamingRunner(RemoteRunner):
         if row.stream is not None:
             row.stream.close()
         row.stream = _Stream(self.server, row.tokens, self._predict_n(row.tokens), self.top_logprobs, row.slot,
-                             self.stop_after)
+                             self.stop_after, self.stop_text)
         row.next = None
         self.calls += 1
 

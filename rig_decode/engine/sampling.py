@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .options import EngineOptions
@@ -33,7 +34,7 @@ class Sampler:
         """A token per row, ``rows[j]`` from the step's logits row ``at[j]`` (the step's logits stay
         untouched: a row-by-row retry starts from them)."""
         try:
-            processed = self._process(rows, logits[at])  # indexing by a list copies
+            processed = self._process(rows, logits.index_select(0, torch.tensor(at, device=logits.device)))  # a copy
         except Exception:  # noqa: BLE001 - find the row(s) it fails on
             parts = []
             for i, s in zip(at, rows):
@@ -43,8 +44,7 @@ class Sampler:
                     s.fail("applying logits processors", e, now)
                     parts.append(logits[i : i + 1])
             processed = torch.cat(parts)
-        forced = ((processed > float("-inf")).sum(dim=-1) == 1).tolist()  # one pass (isfinite + sum: two)
-        tokens = processed.argmax(dim=-1).tolist()
+        tokens, forced = greedy(processed)
         for i, s in enumerate(rows):
             temp = self.opts.temperature if s.temperature is None else s.temperature
             if temp > 0 and not forced[i] and not s.is_finished:
@@ -56,6 +56,22 @@ class Sampler:
         for p in self.processors:
             logits = p.apply(rows, logits)
         return logits
+
+
+def greedy(scores: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's greedy token (the first of equal maxima, as ``argmax``) and whether it is the row's
+    only finite score (a processor forced it). Float32 rows on the CPU go through numpy: torch's CPU
+    ``argmax`` over a 49k vocabulary takes ~10x its ``amax`` (and counting finite scores as long), and
+    this runs for every token; there the forced check is "the runner-up is -inf"."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32:
+        return scores.argmax(dim=-1).tolist(), (torch.isfinite(scores).sum(dim=-1) == 1).tolist()
+    a = scores.numpy()
+    rows, best = np.arange(len(a)), a.argmax(axis=-1)
+    top = a[rows, best]  # a copy
+    a[rows, best] = -np.inf
+    runner_up = a.max(axis=-1)
+    a[rows, best] = top
+    return best.tolist(), (np.isfinite(top) & (runner_up == -np.inf)).tolist()
 
 
 def sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
