@@ -45,6 +45,7 @@ against vllm-alone's, then ONE JSON line last.
 
     python bench/peers.py [--dataset out/synth/test.jsonl] [--questions 16] [--search-ms 150]
                           [--concurrency 1,8] [--systems rig-hf,rig-vllm-stream,...] [--llama-server URL]
+                          [--repeat N]   # N interleaved runs each: median figures, rig vs the loop run by run
 
 ``rig synth --out out/synth`` writes the dataset. llama-server must serve the merged model (adapter
 folded in, converted to GGUF) with ``-np`` at least the highest concurrency, ``--special`` (the
