@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from contextlib import contextmanager
 
 import torch
 
@@ -81,7 +80,9 @@ class RigEngine:
         if hasattr(self.runner, "stop_after"):  # a streaming runner stops at the end delimiter and the stop ids
             ends = self.vocab.whole_end_ids.tolist()
             self.runner.stop_after = frozenset(ends) | frozenset(self.stop_ids)
-            self.runner.stop_text = tuple(sorted({self.vocab.token_bytes[t].decode("utf-8", "replace") for t in ends}))
+            added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())  # text no other token writes
+            self.runner.stop_text = tuple(sorted({self.vocab.token_bytes[t].decode("utf-8", "replace")
+                                                  for t in ends if t in added}))
         rows = getattr(self.runner, "max_rows", None)  # a server with that many slots (llama-server)
         if rows and rows < options.max_batch_size:
             self.opts = options = dataclasses.replace(options, max_batch_size=rows)
@@ -233,9 +234,8 @@ class RigEngine:
         staged = self.hops.assemble_staged({i: batch[i] for i in ready})  # its time goes to the splicing rows
         t0 = time.perf_counter()
         spliced = [s.has_evidence_pending for s in rows]
-        with _torch_threads(1 if self.model is None else None):
-            logits = self._run(ready, staged)
-            sampled = self.sampler.sample(rows, logits, ready, time.perf_counter())
+        logits = self._run(ready, staged)
+        sampled = self.sampler.sample(rows, logits, ready, time.perf_counter())
         parked = postprocess(rows, sampled, spliced, t0, self.stop_ids, self.runner.context_limit,
                              getattr(self.runner, "row_info", None), ready)
         now = time.perf_counter()
@@ -284,23 +284,6 @@ class RigEngine:
         self.worker.close()
         if hasattr(self.runner, "close"):
             self.runner.close()
-
-
-@contextmanager
-def _torch_threads(n: int | None):
-    """Torch ops of this thread on ``n`` threads meanwhile (None: as they are). With the model
-    elsewhere (a server, vLLM's engine), a step's tensors are a few rows of logits: memory-bound ops
-    that OpenMP's threads only slow down, and whose spinning workers take the CPU a model server on
-    the same machine needs (docs/backends.md)."""
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _guarded(knows):

@@ -139,8 +139,9 @@ class StreamingRunner(RemoteRunner):
         is one token): the server stops then, not when the engine gets there."""
         self.stop_text: tuple[str, ...] = ()
         """Text at which the server itself stops (its ``stop`` strings; the engine sets the text of
-        the tokens that spell a whole end delimiter): it decodes nothing past a hop's marker, where a
-        closed connection stops it only once it fails to send the tokens after."""
+        an added token that spells a whole end delimiter, which no other token writes; an ordinary
+        token's text, json's ``"}``, also ends inside other tokens): it decodes nothing past a hop's
+        marker, where a closed connection stops it only once it fails to send the tokens after."""
 
     def reset(self, batch_size: int = 0) -> None:
         self._release(self.rows)
@@ -184,7 +185,7 @@ class StreamingRunner(RemoteRunner):
                 self._write_scores(logits[i], row.next.top)
             except RemoteError as e:  # this row's request failed: the others go on
                 self.row_errors[i] = str(e)
-                logits[i] = 0.0
+                logits[i].numpy().fill(0.0)
                 row.stream.close()
                 row.stream = row.next = None
         return logits
