@@ -59,6 +59,7 @@ class CitationProcessor:
         self.continuing = [t for t, b in enumerate(self.token_bytes) if b and (b[0] in _DIGITS or b[0] == _CLOSE)]
         self._banned: dict[tuple[bytes | None, int], torch.Tensor] = {}
         self._allowed: dict[tuple[bytes, int], torch.Tensor] = {}
+        self._fixed: dict[tuple[bytes | None, int], frozenset[int]] = {}
 
     @staticmethod
     def state(matcher) -> bytes | None:
@@ -88,16 +89,30 @@ class CitationProcessor:
                 scores[i].fill_(float("-inf"))
                 scores[i, allowed] = keep
             else:
-                key = (state, limit)
-                if key not in self._banned:
-                    candidates = self.with_open + (self.continuing if state == b"" else [])
-                    self._banned[key] = torch.tensor(
-                        sorted({t for t in candidates if not _walk(state, self.token_bytes[t], limit)}),
-                        dtype=torch.long)
-                banned = self._banned[key].to(scores.device)
+                banned = self._bans(state, limit).to(scores.device)
                 if len(banned):
                     scores[i, banned] = float("-inf")
         return scores
+
+    def _bans(self, state: bytes | None, limit: int) -> torch.Tensor:
+        key = (state, limit)
+        if key not in self._banned:
+            candidates = self.with_open + (self.continuing if state == b"" else [])
+            self._banned[key] = torch.tensor(sorted({t for t in candidates if not _walk(state, self.token_bytes[t], limit)}),
+                                             dtype=torch.long)
+        return self._banned[key]
+
+    def fixed_bans(self, row) -> frozenset[int] | None:
+        """Outside a citation's number: the bans (a server can apply them); inside one, None (only
+        some tokens are allowed)."""
+        if row.matcher.is_open:
+            return frozenset()
+        state, limit = self.state(row.matcher), cited_numbers_seen(row.trace)
+        if state:
+            return None
+        if (state, limit) not in self._fixed:
+            self._fixed[(state, limit)] = frozenset(self._bans(state, limit).tolist())
+        return self._fixed[(state, limit)]
 
 
 # -- checking ---------------------------------------------------------------------------------------

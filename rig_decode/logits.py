@@ -8,7 +8,10 @@
 * ``StrayEndProcessor``: outside a marker, a token that is a whole end delimiter is banned.
 
 Each processor has two entry points. ``apply(rows, scores)`` is what the engine calls: ``rows`` are
-its sequences, each with a ``matcher`` it keeps up to date. ``__call__(input_ids, scores)`` is the
+its sequences, each with a ``matcher`` it keeps up to date. ``fixed_bans(row)`` says what ``apply``
+would do at the row's next position where that is only banning tokens (the ids; None where it needs
+the model's scores): a model server can then apply the rules itself (``logit_bias``) and decode
+without sending scores back (``engine/runner_stream.py``). ``__call__(input_ids, scores)`` is the
 HuggingFace ``LogitsProcessor`` signature, so the same objects plug into ``model.generate``; there a
 shared ``MarkerTracker`` feeds each row's new tokens (everything after the prompt) to its matcher.
 """
@@ -72,6 +75,14 @@ class _MarkerProcessor(LogitsProcessor):
     def apply(self, rows, scores: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def fixed_bans(self, row) -> frozenset[int] | None:
+        """The ids ``apply`` bans at this row's next position, where banning is all it does there
+        (empty: it does nothing); None where it forces a token or moves probability."""
+        return None
+
+
+NO_BANS: frozenset[int] = frozenset()
+
 
 def _hop_limit(row, default: int) -> int:
     """A row's hop budget: its own ``max_iterations`` where it has one (engine sequences)."""
@@ -83,6 +94,7 @@ class HopBudgetProcessor(_MarkerProcessor):
     def __init__(self, vocab: MarkerVocab, max_iterations: int, tracker: MarkerTracker | None = None):
         super().__init__(tracker)
         self.vocab, self.max_iterations = vocab, max_iterations
+        self._bans: dict[tuple[int, ...], frozenset[int]] = {}
 
     def apply(self, rows, scores):
         for i, row in enumerate(rows):
@@ -91,6 +103,15 @@ class HopBudgetProcessor(_MarkerProcessor):
                 banned = self.vocab.start_completing_ids(m.start_states).to(scores.device)
                 scores[i, banned] = float("-inf")
         return scores
+
+    def fixed_bans(self, row):
+        m = row.matcher
+        if m.num_markers < _hop_limit(row, self.max_iterations) or m.is_open:
+            return NO_BANS
+        states = m.start_states
+        if states not in self._bans:
+            self._bans[states] = frozenset(self.vocab.start_completing_ids(states).tolist())
+        return self._bans[states]
 
 
 class StrayEndProcessor(_MarkerProcessor):
@@ -101,6 +122,7 @@ class StrayEndProcessor(_MarkerProcessor):
     def __init__(self, vocab: MarkerVocab, tracker: MarkerTracker | None = None):
         super().__init__(tracker)
         self.ids = vocab.whole_end_ids
+        self.bans = frozenset(self.ids.tolist())
 
     def apply(self, rows, scores):
         if len(self.ids):
@@ -108,6 +130,9 @@ class StrayEndProcessor(_MarkerProcessor):
                 if not row.matcher.is_open:
                     scores[i, self.ids.to(scores.device)] = float("-inf")
         return scores
+
+    def fixed_bans(self, row):
+        return NO_BANS if row.matcher.is_open else self.bans
 
 
 class QueryCapProcessor(_MarkerProcessor):
@@ -122,11 +147,15 @@ class QueryCapProcessor(_MarkerProcessor):
                   if row.matcher.must_close(self.max_query_tokens)]
         return _force(scores, forced)
 
+    def fixed_bans(self, row):
+        return None if row.matcher.must_close(self.max_query_tokens) else NO_BANS
+
 
 class NoStopInQueryProcessor(_MarkerProcessor):
     def __init__(self, stop_ids: list[int], tracker: MarkerTracker | None = None):
         super().__init__(tracker)
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        self.bans = frozenset(self.stop_ids.tolist())
 
     def apply(self, rows, scores):
         if len(self.stop_ids):
@@ -134,6 +163,9 @@ class NoStopInQueryProcessor(_MarkerProcessor):
                 if row.matcher.is_open:
                     scores[i, self.stop_ids.to(scores.device)] = float("-inf")
         return scores
+
+    def fixed_bans(self, row):
+        return self.bans if row.matcher.is_open else NO_BANS
 
 
 class NewlineEndsQueryProcessor(_MarkerProcessor):
@@ -159,6 +191,9 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
                 scores[i, end] = folded
         return scores
 
+    def fixed_bans(self, row):
+        return None if row.matcher.is_open and len(self.vocab.newline_ids) else NO_BANS
+
 
 class RetrieveFirstProcessor(_MarkerProcessor):
     """Forces the start delimiter as the first tokens of every answer: one hop always happens, its
@@ -169,13 +204,16 @@ class RetrieveFirstProcessor(_MarkerProcessor):
         self.start_ids = vocab.tokenizer.encode(vocab.spec.start[0], add_special_tokens=False)
 
     def apply(self, rows, scores):
-        forced = []
-        for i, row in enumerate(rows):
-            n = len(row.matcher.token_ends)
-            if (n < len(self.start_ids) and row.matcher.num_markers == 0 and not row.matcher.is_open
-                    and _hop_limit(row, 1) > 0):
-                forced.append((i, self.start_ids[n]))
+        forced = [(i, self.start_ids[len(row.matcher.token_ends)]) for i, row in enumerate(rows) if self._forces(row)]
         return _force(scores, forced)
+
+    def _forces(self, row) -> bool:
+        m = row.matcher
+        return (len(m.token_ends) < len(self.start_ids) and m.num_markers == 0 and not m.is_open
+                and _hop_limit(row, 1) > 0)
+
+    def fixed_bans(self, row):
+        return None if self._forces(row) else NO_BANS
 
 
 def _force(scores: torch.Tensor, forced: list[tuple[int, int]]) -> torch.Tensor:

@@ -173,6 +173,12 @@ class ForceScript:
                     scores[i, ids[k]] = 0.0
         return scores
 
+    def fixed_bans(self, seq):
+        """Nothing banned where the script does not force (the engine may push the rest of its
+        rules to a server); None where it does."""
+        forcing = any(0 <= seq.num_generated - start < len(ids) for start, ids in self.script.get(seq.seq_id, {}).items())
+        return None if forcing else frozenset()
+
 
 class LogitRecorder:
     """Records each row's raw logits, keyed by (seq_id, number of tokens before the sampled one)."""

@@ -1,6 +1,6 @@
 """A llama-server stand-in over a local HF model: the native ``/completion`` endpoint with token-id
-prompts, greedy lookahead, ``n_probs`` top log-probabilities and a one-slot prompt cache whose use
-it reports in ``timings`` the way llama.cpp does (``cache_n`` reused, ``prompt_n`` evaluated).
+prompts, greedy lookahead, ``n_probs`` top log-probabilities (none at 0), ``logit_bias`` bans
+(``[[id, false], ...]``) and a one-slot prompt cache whose use it reports in ``timings`` the way llama.cpp does (``cache_n`` reused, ``prompt_n`` evaluated).
 Like ``llama-server -np N``, it has N slots and serves a request from the slot ``id_slot`` names, or
 else from the one whose cached tokens share the longest prefix with the prompt (the least recently
 used one when none does). ``stream: true`` sends one Server-Sent Event per token (with ``timings``
@@ -20,7 +20,7 @@ import torch
 class FakeLlamaServer:
     def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
                  slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0, bad_ids: int = 0,
-                 token_text=None):
+                 token_text=None, honour_bans: bool = True):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
         self.drop_connections = drop_connections
         """The first this many completion requests are dropped: the connection is closed unanswered."""
@@ -31,12 +31,16 @@ class FakeLlamaServer:
         """The first this many streamed completions name a negative token id among their top ones."""
         self.token_text = token_text
         """id -> text: a request's ``stop`` texts end its completion (without it they are ignored)."""
+        self.honour_bans = honour_bans
+        """False: ``logit_bias`` is taken and ignored (a bias too weak to ban)."""
         self.slot_actions = slot_actions
         """Whether ``POST /slots/N?action=erase`` works (llama-server started with ``--slot-save-path``)."""
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # each: last prompt + what it generated
         self.used = [0] * slots  # when each slot last served (for least recently used)
         self.requests: list[dict] = []
         self.decoded = 0
+        self.overruled = 0
+        """Tokens a ``logit_bias`` ban kept the server from picking."""
         """Tokens decoded over all requests (a closed stream stops adding to it)."""
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -63,6 +67,9 @@ class FakeLlamaServer:
         prompt = body["prompt"]
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise ValueError("this stand-in takes token-id prompts only")
+        if any(bias is not False for _, bias in body.get("logit_bias", [])):
+            raise ValueError("this stand-in takes logit_bias bans ([id, false]) only")
+        banned = sorted(int(t) for t, _ in body.get("logit_bias", [])) if self.honour_bans else []
         with self.lock:
             lcps = [_common_prefix(slot, prompt) for slot in self.slots]
             if body.get("id_slot") is not None:
@@ -74,13 +81,16 @@ class FakeLlamaServer:
             self.used[best] = max(self.used) + 1
             cache_n = min(lcps[best], len(prompt) - 1)  # a fully cached prompt re-evaluates its last token
             self.requests.append({"prompt_len": len(prompt), "n_predict": body.get("n_predict"), "slot": best,
-                                  "stream": bool(body.get("stream")), "stop": body.get("stop")})
+                                  "stream": bool(body.get("stream")), "stop": body.get("stop"),
+                                  "n_probs": body.get("n_probs", 0), "banned": banned})
             self.slots[best] = ids = list(prompt)
         timings = {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n}
         text = ""
         for _ in range(min(body.get("n_predict", 16), self.n_ctx - len(prompt))):
             with self.lock, torch.no_grad():
                 logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+                self.overruled += int(int(logp.argmax()) in banned)
+                logp[banned] = float("-inf")
                 top = torch.topk(logp, body.get("n_probs", 0) or 1)
                 tok = int(top.indices[0])
                 ids.append(tok)
@@ -165,16 +175,19 @@ class FakeLlamaServer:
                 first = next(events, None)  # a bad request fails before the stream starts
                 with server.lock:
                     bad, server.bad_ids = server.bad_ids > 0 and first is not None, max(0, server.bad_ids - 1)
-                if bad:
+                if bad and body.get("n_probs", 0):
                     first[1]["top_logprobs"][-1]["id"] = -5
+                elif bad:
+                    first = (-5, *first[1:])
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
                 self.close_connection = True
                 try:
                     for tok, prob, timings in _chain([first] if first else [], events):
-                        event = {"tokens": [tok], "completion_probabilities": [prob], "timings": timings,
-                                 "stop": tok == server.eos_id}
+                        event = {"tokens": [tok], "timings": timings, "stop": tok == server.eos_id}
+                        if body.get("n_probs", 0):  # llama-server sends none at n_probs 0
+                            event["completion_probabilities"] = [prob]
                         self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                         self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 
 from rig_decode.citations import CitationProcessor, _walk, check_citations, trace_docs
 from rig_decode.engine import EngineOptions, RigEngine
@@ -124,3 +125,29 @@ def test_session_trace_lists_citations(model, tok):
     assert isinstance(trace.citations, list)
     assert all(c["valid"] for c in trace.citations)
     assert trace_docs(trace) == [d for s in trace.retrieval_steps for d in s.docs]
+
+
+def test_fixed_bans_outside_a_number_are_the_bans_and_inside_one_none(tok):
+    """What a server may apply for the citation rule: outside a citation's number the ids ``apply``
+    bans (and nothing else changes), inside one None (only some digits are allowed)."""
+    from types import SimpleNamespace
+
+    from rig_decode.markers import MarkerMatcher, MarkerSpec, MarkerVocab
+    from rig_decode.trace import Trace
+
+    vocab = MarkerVocab(tok, MarkerSpec.special_token())
+    proc, row = CitationProcessor(vocab), SimpleNamespace(matcher=MarkerMatcher(vocab), trace=Trace())
+    seen, banned = [], []
+    for t in tok.encode("Answer [1] and [", add_special_tokens=False):
+        row.matcher.feed(t)
+        scores = torch.randn(1, len(tok))
+        out, bans = proc.apply([row], scores.clone()), proc.fixed_bans(row)
+        seen.append(bans is None)
+        if bans is None:
+            assert CitationProcessor.state(row.matcher)  # mid-number
+            continue
+        expect = scores.clone()
+        expect[0, sorted(bans)] = float("-inf")
+        assert torch.equal(out, expect)
+        banned.append(len(bans))
+    assert any(seen) and banned[-1]  # after the last "[", with no evidence seen: every digit banned

@@ -133,3 +133,40 @@ def test_greedy_is_argmax_and_a_lone_finite_score_reads_as_forced():
         assert tokens == before.argmax(-1).tolist() and tokens[1] == 5 and tokens[3] == 7
         assert forced == (torch.isfinite(before).sum(-1) == 1).tolist() == [False, False, True, False, False, False]
         assert torch.equal(scores, before)
+
+
+@pytest.mark.parametrize("style", ["special_token", "json"])
+def test_fixed_bans_are_what_apply_does_or_none(tok, tok_special, style):
+    """``fixed_bans`` (what a server may apply for the engine) agrees with ``apply`` at every position
+    of a text with two markers, partial delimiters and a newline in a query: where it names bans,
+    ``apply`` sets exactly those ids to -inf and leaves every other score as it was; where it says
+    None, ``apply`` changed the row in some other way (it forced a token or moved probability)."""
+    from types import SimpleNamespace
+
+    tokenizer = tok_special if style == "special_token" else tok
+    spec = MarkerSpec.from_style(style)
+    vocab = MarkerVocab(tokenizer, spec)
+    procs = marker_processors(vocab, max_iterations=2, max_query_tokens=4, stop_ids=[tokenizer.eos_token_id],
+                              retrieve_first=True)
+    text = ("Hi" + spec.render("who founded it") + " It was " + spec.start[0] + "a\nb" + spec.end[0] + " then "
+            + spec.start[0][:3] + " more" + spec.render("x") + " done")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    row = SimpleNamespace(matcher=MarkerMatcher(vocab))
+    seen = {"bans": 0, "none": 0}
+    torch.manual_seed(0)
+    for t in [None, *ids]:
+        if t is not None:
+            row.matcher.feed(t)
+        for p in procs:
+            scores = torch.randn(1, len(vocab))
+            out = p.apply([row], scores.clone())
+            bans = p.fixed_bans(row)
+            if bans is None:
+                seen["none"] += 1
+                assert not torch.equal(out, scores), (type(p).__name__, t)  # it forced or moved probability
+                continue
+            seen["bans"] += bool(bans)
+            expect = scores.clone()
+            expect[0, sorted(bans)] = float("-inf")
+            assert torch.equal(out, expect), (type(p).__name__, t)
+    assert seen["bans"] and seen["none"]

@@ -5,6 +5,7 @@ while a row searches, a slot kept per row, faults kept to their row."""
 import time
 
 import pytest
+import torch
 
 from rig_decode.engine.servers import LlamaCppServer
 from rig_decode.engine.runner_stream import RUN_AHEAD, StreamingRunner
@@ -13,7 +14,7 @@ from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.prompt import build_prompt
 
 from .helpers import ScriptedRetriever, tiny_model, tiny_tokenizer
-from .peers_helpers import ANSWERS, END, QUESTIONS, Policy, PolicyModel
+from .peers_helpers import ANSWERS, END, QUESTIONS, START, Policy, PolicyModel
 from .remote_helpers import FakeLlamaServer
 from .test_exactness import PROMPTS, _script
 from .test_remote import _engine, _generate, plain_answers
@@ -67,8 +68,16 @@ def test_the_server_stops_at_the_end_marker_it_writes_itself():
         engine.generate(seqs)
         engine.close()
     assert [s.matcher.visible_text().strip() for s in seqs] == ANSWERS
-    assert runner.stop_text == (END,) and all(r["stop"] == [END] for r in server.requests)
-    assert runner.calls == len(seqs) + sum(s.trace.num_hops for s in seqs) == 5
+    assert runner.stop_text == (END,) and runner.opens_query_text == (START,)
+    assert all(r["stop"] == ([END] if r["n_probs"] else [END, START]) for r in server.requests)
+    # a hop costs two requests: its query, with scores (the newline rule needs them), and the answer
+    # after its evidence, without (the rules there are bans: the stray end delimiter's)
+    hops = sum(s.trace.num_hops for s in seqs)
+    assert runner.calls == len(server.requests) == len(seqs) + 2 * hops == 8
+    scored = [r for r in server.requests if r["n_probs"]]
+    assert len(scored) == hops and all(r["n_probs"] == 20 and r["banned"] == [] for r in scored)
+    end = tok.convert_tokens_to_ids(END)
+    assert all(r["banned"] == [end] for r in server.requests if not r["n_probs"])
     assert server.decoded == sum(s.num_generated for s in seqs)
 
 def test_the_batch_is_held_to_the_servers_slots(model, tok):
@@ -172,3 +181,38 @@ def test_an_openai_server_stream_is_read_as_vllm_writes_it():
     assert [info for _, info in events if info] == [{"cache_n": 2, "prompt_n": 1}]
     body = seen[0]
     assert body["prompt"] == [1, 2, 3] and body["stream"] and body["return_token_ids"] and body["logprobs"] == 2
+
+
+@pytest.mark.parametrize("hops,honour", [(0, True), (1, True), (0, False)])
+def test_the_server_applies_the_bans_and_picks_the_in_process_tokens(tok_special, hops, honour):
+    """Outside a query the rules only ban tokens: the stream asks the server to apply them
+    (``logit_bias``) and sends no scores. A model that prefers the banned tokens (its head writes the
+    start delimiter where it would write its favourite token, the end delimiter where its second)
+    still gets the in-process engine's tokens: past the hop budget the server picks the runner-up. A
+    server that ignores the bans costs a request per banned pick (that position asked again with
+    scores), not a wrong token."""
+    model = tiny_model(len(tok_special))
+    start, end = (tok_special.convert_tokens_to_ids(t) for t in (START, END))
+    plain = _generate(_engine(model, tok_special, {}, max_iterations=0, max_new_tokens=40), tok_special, PROMPTS)
+    counts = torch.bincount(torch.tensor([t for s in plain for t in s.token_ids[len(s.prompt_ids):]]))
+    first, second = counts.topk(2).indices.tolist()
+    with torch.no_grad():  # a head that scores the markers above those two wherever they lead
+        model.lm_head.weight[start] = 1.5 * model.lm_head.weight[first]
+        model.lm_head.weight[end] = 1.5 * model.lm_head.weight[second]
+    opts = {"max_iterations": hops, "max_new_tokens": 40, "max_query_tokens": 4}
+    local = _generate(_engine(model, tok_special, {}, **opts), tok_special, PROMPTS)
+    with FakeLlamaServer(model, tok_special.eos_token_id, honour_bans=honour) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok_special))
+        remote = _generate(_engine(model, tok_special, {}, runner=runner, **opts), tok_special, PROMPTS)
+    assert [s.token_ids for s in remote] == [s.token_ids for s in local]
+    assert max(s.trace.num_hops for s in remote) == hops  # it opened the hop it could
+    if not honour:
+        assert len(server.requests) > 10 * len(PROMPTS) and any(r["n_probs"] for r in server.requests)
+        return
+    unscored = [r for r in server.requests if not r["n_probs"]]
+    assert server.overruled > 0 and unscored  # the bans changed the server's picks
+    assert all(end in r["banned"] for r in unscored)  # a stray end delimiter, everywhere outside a query
+    # the start delimiter once the budget is spent: from the first token (0 hops), after the hop (1)
+    assert any(start in r["banned"] for r in unscored)
+    assert any(start not in r["banned"] for r in unscored) == (hops > 0)
+    assert all(r["n_probs"] == 20 for r in server.requests if r not in unscored)

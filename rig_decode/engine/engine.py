@@ -77,12 +77,8 @@ class RigEngine:
         self.runner = runner if runner is not None else HFModelRunner(
             model, pad, options.kv_budget_tokens, prefill_chunk=options.prefill_chunk_tokens,
             decode_step=options.decode_step)
-        if hasattr(self.runner, "stop_after"):  # a streaming runner stops at the end delimiter and the stop ids
-            ends = self.vocab.whole_end_ids.tolist()
-            self.runner.stop_after = frozenset(ends) | frozenset(self.stop_ids)
-            added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())  # text no other token writes
-            self.runner.stop_text = tuple(sorted({self.vocab.token_bytes[t].decode("utf-8", "replace")
-                                                  for t in ends if t in added}))
+        if hasattr(self.runner, "stop_at"):  # a streaming runner: where its streams stop
+            self.runner.stop_at(self.vocab, self.stop_ids)
         rows = getattr(self.runner, "max_rows", None)  # a server with that many slots (llama-server)
         if rows and rows < options.max_batch_size:
             self.opts = options = dataclasses.replace(options, max_batch_size=rows)
@@ -270,6 +266,9 @@ class RigEngine:
         if staged:
             reselect = {i: batch[i].staged.reselect for i in staged}
             logits = self.runner.step(feed, staged=staged, reselect=reselect)
+        elif getattr(self.runner, "pushes_bans", False):  # a server that applies the rules it can
+            bans = [self.sampler.fixed_bans(s) if i in fed else None for i, s in enumerate(batch)]
+            logits = self.runner.step(feed, bans=bans)
         else:
             logits = self.runner.step(feed)
         take_errors = getattr(self.runner, "take_row_errors", None)  # a remote row whose request failed

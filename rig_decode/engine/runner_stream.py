@@ -16,6 +16,15 @@ token the server did not predict:
 * a token a logits processor forced or banned (the query cap, the hop budget, the newline rule,
   citations): the stream is closed and a new one starts from the engine's token.
 
+Where the rules at a row's next position only ban tokens (outside a query: the hop budget, a stray
+end delimiter, citations outside a number) and the row decodes greedily, the engine passes the bans
+(``Sampler.fixed_bans``) and the stream asks the server to apply them (``logit_bias``) and send no
+log-probabilities: the server's own greedy pick is then the engine's, and it skips the sort of the
+whole vocabulary that any top-N list costs llama-server per token. Such a stream stops after a token
+that opens a query (``opens_query``), where the newline rule needs the scores again: a hop costs two
+requests then (the query, the answer after the evidence), each of them cheap next to the tokens it
+spares the sort. A row whose bans change (or that needs scores) gets a new stream.
+
 On llama-server each row keeps one slot (``id_slot``) for its whole life, so a new request finds
 its prefix in the slot's cache even while the closed stream's slot is still finishing its last
 token (llama-server defers a request for a busy slot); the engine's batch is held to the server's
@@ -28,6 +37,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -51,22 +61,20 @@ next to none: the stream closes at the end delimiter, ``stop_after``)."""
 class _Stream:
     """One streamed completion: a thread reads the server's predictions into a queue."""
 
-    def __init__(self, server, tokens: list[int], max_tokens: int, top_logprobs: int, slot: int | None,
-                 stop_after: frozenset[int] = frozenset(), stop_text: tuple[str, ...] = ()):
+    def __init__(self, request, stop_after: frozenset[int] = frozenset()):
+        """``request(cancelled=, opened=)``: the server's ``stream_completion`` with its arguments."""
         self.predictions: queue.Queue = queue.Queue()
         self.info: dict | None = None
         """The server's accounting of the prompt (tokens from its cache, tokens evaluated)."""
         self.closed = False
         self.response = None
         self.thread = threading.Thread(target=self._read, name="rig-remote-stream", daemon=True,
-                                       args=(server, list(tokens), max_tokens, top_logprobs, slot, stop_after,
-                                             stop_text))
+                                       args=(request, stop_after))
         self.thread.start()
 
-    def _read(self, server, tokens, max_tokens, top_logprobs, slot, stop_after, stop_text) -> None:
+    def _read(self, request, stop_after) -> None:
         try:
-            for preds, info in server.stream_completion(tokens, max_tokens, top_logprobs, slot, stop=stop_text,
-                                                        cancelled=lambda: self.closed, opened=self._opened):
+            for preds, info in request(cancelled=lambda: self.closed, opened=self._opened):
                 if info is not None and self.info is None:
                     self.info = info
                 for p in preds:
@@ -117,10 +125,16 @@ class StreamRow:
     next: Prediction | None = None
     """The server's prediction for the position after ``tokens``."""
     info: dict | None = None
+    bans: frozenset[int] | None = None
+    """The rules the row's stream runs under, as bans the server applies (it sends no scores); None:
+    the stream sends each position's top log-probabilities and the engine applies the rules."""
 
 
 class StreamingRunner(RemoteRunner):
     """The engine's runner interface over a streaming completion server (see the module docstring)."""
+
+    pushes_bans = True
+    """``step`` takes each row's bans (``Sampler.fixed_bans``) for the server to apply."""
 
     def __init__(self, server, vocab_size: int, *, top_logprobs: int = 20, context_limit: int | None = None,
                  timeout_s: float = 120.0):
@@ -142,6 +156,23 @@ class StreamingRunner(RemoteRunner):
         an added token that spells a whole end delimiter, which no other token writes; an ordinary
         token's text, json's ``"}``, also ends inside other tokens): it decodes nothing past a hop's
         marker, where a closed connection stops it only once it fails to send the tokens after."""
+        self.opens_query: frozenset[int] = frozenset()
+        """Tokens that open a query by themselves: a stream that sends no scores stops after one (the
+        rules inside a query need them), the server itself where an added token spells the start
+        delimiter (``opens_query_text``)."""
+        self.opens_query_text: tuple[str, ...] = ()
+
+    def stop_at(self, vocab, stop_ids: list[int]) -> None:
+        """Set where streams stop from the engine's markers (a ``MarkerVocab``) and stop ids."""
+        added = set(getattr(vocab.tokenizer, "added_tokens_decoder", None) or ())  # text no other token writes
+
+        def text(ids) -> tuple[str, ...]:
+            return tuple(sorted({vocab.token_bytes[t].decode("utf-8", "replace") for t in ids if t in added}))
+
+        ends = vocab.whole_end_ids.tolist()
+        self.stop_after, self.stop_text = frozenset(ends) | frozenset(stop_ids), text(ends)
+        self.opens_query = frozenset(vocab.start_completing_ids((0,) * len(vocab.start)).tolist())
+        self.opens_query_text = text(self.opens_query)
 
     def reset(self, batch_size: int = 0) -> None:
         self._release(self.rows)
@@ -163,25 +194,33 @@ class StreamingRunner(RemoteRunner):
                 self.free_slots.append(row.slot)
         self.free_slots.sort()
 
-    def step(self, feeds: list[list[int]]) -> torch.Tensor:
+    def step(self, feeds: list[list[int]], bans: list[frozenset[int] | None] | None = None) -> torch.Tensor:
         """Append each row's tokens; log-probability rows for what comes next (zeros for rows that
-        fed nothing). A row whose stream predicted its token reads the next prediction; the others
-        start a new stream (all before any is waited for)."""
+        fed nothing). ``bans``: each row's rules at its next position as bans, where that is all
+        they are (None: the engine needs the scores). A row whose stream predicted its token under
+        the same rules reads the next prediction; the others start a new stream (all before any is
+        waited for)."""
         assert len(feeds) == len(self.rows), "rows must match the batch"
         if not any(feeds):
             raise ValueError("no row has anything to feed")
         fed = [i for i, feed in enumerate(feeds) if feed]
         for i in fed:
-            row, feed = self.rows[i], feeds[i]
-            follows = row.stream is not None and row.next is not None and feed == [row.next.token]
+            row, feed, want = self.rows[i], feeds[i], bans[i] if bans is not None else None
+            follows = (row.stream is not None and row.next is not None and feed == [row.next.token]
+                       and row.bans == want)
             row.tokens += feed
             if not follows:
+                row.bans = want
                 self._open(row)
         logits = self._new_logits(feeds)
         for i in fed:
             row = self.rows[i]
             try:
                 row.next = self._next(row)
+                if row.bans and row.next.token in row.bans:  # a ban the server did not hold to (a bias
+                    row.bans = None                          # too weak): this position from the scores
+                    self._open(row)
+                    row.next = self._next(row)
                 self._write_scores(logits[i], row.next.top)
             except RemoteError as e:  # this row's request failed: the others go on
                 self.row_errors[i] = str(e)
@@ -205,8 +244,11 @@ class StreamingRunner(RemoteRunner):
     def _open(self, row: StreamRow) -> None:
         if row.stream is not None:
             row.stream.close()
-        row.stream = _Stream(self.server, row.tokens, self._predict_n(row.tokens), self.top_logprobs, row.slot,
-                             self.stop_after, self.stop_text)
+        unscored = row.bans is not None
+        request = partial(self.server.stream_completion, list(row.tokens), self._predict_n(row.tokens),
+                          0 if unscored else self.top_logprobs, row.slot, banned=sorted(row.bans or ()),
+                          stop=self.stop_text + self.opens_query_text if unscored else self.stop_text)
+        row.stream = _Stream(request, self.stop_after | self.opens_query if unscored else self.stop_after)
         row.next = None
         self.calls += 1
 

@@ -149,6 +149,7 @@ class VllmStreamRunner(StreamingRunner):
     ``stop_after``, which the engine sets: its end delimiter and its stop ids."""
 
     mode = "stream"
+    pushes_bans = False  # the rules run in the engine, on each position's top log-probabilities
 
     def __init__(self, host: VllmHost, vocab_size: int, *, top_logprobs: int = 20, context_limit: int = 8192,
                  marker_rules=None, timeout_s: float | None = None):

@@ -52,6 +52,25 @@ class Sampler:
                 tokens[i] = sample_row(processed[i], temp, top_p, s.generator)
         return Sampled(tokens, forced)
 
+    def fixed_bans(self, row: Sequence) -> frozenset[int] | None:
+        """The ids the processors ban at this row's next position, where bans are all they do there and
+        the row picks greedily: a model server that applies them itself (``logit_bias``) then picks
+        the token this sampler would pick, with no scores sent back. None where the row samples or a
+        processor needs the scores (it forces or moves probability; a processor without
+        ``fixed_bans``, such as a caller's or the gate, cannot say)."""
+        if (self.opts.temperature if row.temperature is None else row.temperature) > 0:
+            return None
+        bans = frozenset()
+        for p in self.processors:
+            try:
+                more = p.fixed_bans(row) if hasattr(p, "fixed_bans") else None
+            except Exception:  # noqa: BLE001 - the scored path runs it (and deals with its failure)
+                return None
+            if more is None:
+                return None
+            bans = bans | more if more else bans
+        return bans
+
     def _process(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         for p in self.processors:
             logits = p.apply(rows, logits)

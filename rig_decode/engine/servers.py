@@ -126,17 +126,23 @@ class LlamaCppServer(HttpServer):
         return (self.get("/props") or {}).get("total_slots")
 
     def stream_completion(self, prompt_ids: list[int], n_predict: int, n_probs: int, slot: int | None = None,
-                          stop: tuple[str, ...] = (), cancelled=lambda: False, opened=None):
+                          stop: tuple[str, ...] = (), banned: list[int] = (), cancelled=lambda: False, opened=None):
         """The completion as it decodes: ``(predictions, info)`` per event (``info``: the prompt's
         accounting, on the events that carry timings); ``slot`` pins the request to a slot; the
-        server stops after a token that completes a ``stop`` text (it streams that token)."""
+        server stops after a token that completes a ``stop`` text (it streams that token) and never
+        picks a ``banned`` id. ``n_probs`` 0: each prediction is its token alone (llama-server then
+        skips sorting the vocabulary)."""
         body = {"prompt": prompt_ids, "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0,
                 "cache_prompt": True, "return_tokens": True, "repeat_penalty": 1.0, "stream": True,
                 "timings_per_token": True, "stop": list(stop)}
+        if banned:
+            body["logit_bias"] = [[int(t), False] for t in banned]
         if slot is not None or self.slot is not None:
             body["id_slot"] = self.slot if slot is None else slot
         for event in self.stream("/completion", body, cancelled, opened):
             tokens, probs = event.get("tokens") or [], event.get("completion_probabilities") or []
+            if n_probs == 0:
+                probs = [{}] * len(tokens)
             if len(probs) < len(tokens):
                 raise RemoteError(f"{self.base_url}/completion streamed tokens without their probabilities: "
                                   "llama-server too old for return_tokens / n_probs?")
@@ -187,13 +193,16 @@ class OpenAICompletionServer(HttpServer):
         return None  # vLLM schedules requests itself; its prefix cache needs no pinning
 
     def stream_completion(self, prompt_ids: list[int], n_predict: int, n_probs: int, slot: int | None = None,
-                          stop: tuple[str, ...] = (), cancelled=lambda: False, opened=None):
-        """The completion as it decodes (see ``LlamaCppServer.stream_completion``); the prompt's
-        accounting comes from vLLM's per-chunk usage (``continuous_usage_stats``)."""
+                          stop: tuple[str, ...] = (), banned: list[int] = (), cancelled=lambda: False, opened=None):
+        """The completion as it decodes (see ``LlamaCppServer.stream_completion``; a ban is a logit
+        bias of -100, the API's least); the prompt's accounting comes from vLLM's per-chunk usage
+        (``continuous_usage_stats``)."""
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": n_predict, "temperature": 0.0,
-                "logprobs": n_probs, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "logprobs": n_probs or None, "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "skip_special_tokens": False, "stream": True, "stop": list(stop), "include_stop_str_in_output": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if banned:
+            body["logit_bias"] = {str(int(t)): -100 for t in banned}
         for event in self.stream("/v1/completions", body, cancelled, opened):
             info = None
             usage = event.get("usage") or {}
