@@ -1,7 +1,11 @@
 """LoRA-train a causal LM to write retrieve markers, on traces from make_marker_data.py.
 
     python scripts/train_markers.py --data out/marker-data/train-special.jsonl --out out/adapter \\
-        [--model smollm2-135m-instruct] [--steps 200] [--batch-size 8]
+        [--model smollm2-135m-instruct] [--steps 200] [--batch-size 8] [--trainer loop|trl]
+
+``--trainer trl`` runs the same stage on TRL's ``SFTTrainer`` (``rig_decode/train/trl_sft.py``), which
+also runs on several devices: ``accelerate launch --num_processes N scripts/train_markers.py ...
+--trainer trl`` (``--batch-size`` is the global batch; on CPU add ``--cpu``).
 
 Traces of the ``special`` variant make the delimiters two new special tokens whose embedding rows
 are trained with the adapter; ``text`` and ``json`` traces keep them as text. Writes the adapter, the tokenizer, ``training.json``
@@ -78,10 +82,17 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", help="an adapter folder from an earlier run to train further (same model and "
                                      "variant; a smaller --top-layers continues on the top layers only)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--trainer", choices=["loop", "trl"], default="loop",
+                    help="loop: this package's training loop (one process); trl: TRL's SFTTrainer (accelerate launch "
+                         "for several devices)")
+    ap.add_argument("--packing", action="store_true", help="--trainer trl: pack traces into --max-len rows (TRL's bfd)")
+    ap.add_argument("--log-every", type=int, default=defaults.log_every, help="steps per loss figure")
     ap.add_argument("--checkpoint-every", type=int, default=25,
                     help="save the run's state to OUT/checkpoint every N steps; the same command started again "
                          "continues from there")
     args = ap.parse_args(argv)
+    if args.packing and args.trainer != "trl":
+        ap.error("--packing needs --trainer trl")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_float32_matmul_precision("high")  # fp32 weights, TF32 matmuls where a GPU has them
@@ -97,7 +108,7 @@ def main(argv=None) -> int:
     try:
         cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
                           top_layers=args.top_layers, max_len=args.max_len, answer_weight=args.answer_weight,
-                          special_markers=variant == "special")
+                          special_markers=variant == "special", log_every=args.log_every)
     except ValueError as e:
         ap.error(str(e))
     torch.manual_seed(cfg.seed)
@@ -129,15 +140,31 @@ def main(argv=None) -> int:
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     checkpoint = Path(args.out) / "checkpoint"
-    if (checkpoint / "state.pt").exists():
+    if (checkpoint / "state.pt").exists() or (args.trainer == "trl" and any(checkpoint.glob("checkpoint-*"))):
         print(f"[train] continuing from {checkpoint}", file=sys.stderr)
-    result = train(model, traces, pad, cfg, progress, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every,
-                   max_batch_tokens=args.max_batch_tokens)
+    if args.trainer == "trl":
+        from rig_decode.train.trl_sft import sft_trainer, train_trl
+
+        if args.max_batch_tokens:
+            ap.error("--max-batch-tokens is the loop's; on TRL split a batch with accelerate's gradient accumulation")
+        try:
+            trainer = sft_trainer(model, tok, traces, cfg, Path(args.out), checkpoint_every=args.checkpoint_every,
+                                  packing=args.packing)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"[train] TRL's SFTTrainer on {trainer.args.world_size} process(es) of {trainer.args.device}, "
+              f"{trainer.args.per_device_train_batch_size} rows each", file=sys.stderr)
+        result = train_trl(trainer, cfg)
+        if not trainer.is_world_process_zero():  # one process writes the adapter
+            return 0
+    else:
+        result = train(model, traces, pad, cfg, progress, checkpoint=checkpoint,
+                       checkpoint_every=args.checkpoint_every, max_batch_tokens=args.max_batch_tokens)
     result.added_tokens = tok.convert_ids_to_tokens(added) if added else []
     kinds: dict[str, int] = {}
     for t in traces:
         kinds[t["kind"]] = kinds.get(t["kind"], 0) + 1
-    record = {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds}
+    record = {"model": args.model, "data": args.data, "traces": len(traces), "kinds": kinds, "trainer": args.trainer}
     if args.resume and (earlier := Path(args.resume) / "training.json").exists():  # the adapter's lineage
         before = json.loads(earlier.read_text())
         record["stages"] = [*before.get("stages", [stage(before)]),

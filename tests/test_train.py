@@ -20,7 +20,7 @@ from rig_decode.retrieval.ingest import Chunking, build_index  # noqa: E402
 from rig_decode.retrieval.store import IndexStore  # noqa: E402
 from rig_decode.train.data import TraceBuilder, variant_tokenizer  # noqa: E402
 from rig_decode.train.lora import (  # noqa: E402
-    IGNORE, TrainConfig, _stop_backprop_below, add_marker_tokens, answer_start, collate, forward_loss, loss_weight,
+    IGNORE, TrainConfig, stop_backprop_below, add_marker_tokens, answer_start, collate, forward_loss, loss_weight,
     masked_loss, micro_batches, train, wrap_lora,
 )
 
@@ -306,7 +306,7 @@ def test_forward_loss_is_the_masked_loss_and_top_layers_stop_backprop():
     grab = layers[0].register_forward_hook(lambda _m, _a, out: seen.update(h=out[0] if isinstance(out, tuple) else out)
                                            or seen["h"].retain_grad())
     for top, reaches_below in ((1.0, True), (0.5, False)):
-        stop = _stop_backprop_below(model, TrainConfig(top_layers=top))
+        stop = stop_backprop_below(model, TrainConfig(top_layers=top))
         model.zero_grad()
         forward_loss(model, batch).backward()
         assert (seen["h"].grad is not None) == reaches_below

@@ -219,7 +219,7 @@ def freeze_below(model, cfg: TrainConfig) -> None:
         layer.requires_grad_(False)
 
 
-def _stop_backprop_below(model, cfg: TrainConfig):
+def stop_backprop_below(model, cfg: TrainConfig):
     """A hook that detaches the input of the first trained layer (None when every layer trains)."""
     layers = _decoder_layers(model)
     first = cfg.first_lora_layer(len(layers))
@@ -280,7 +280,7 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
         queue, result.losses, running = state["queue"], state["losses"], state["running"]
         start, before = state["step"], state["seconds"]
     model.train()
-    stop = _stop_backprop_below(model, cfg)
+    stop = stop_backprop_below(model, cfg)
     t0 = time.perf_counter()
     try:
         for step in range(start, cfg.steps):

@@ -1,0 +1,109 @@
+"""LoRA SFT of marker traces on TRL's ``SFTTrainer`` (``train_markers.py --trainer trl``).
+
+The same stage as ``lora.train`` (same traces, loss mask, LoRA layout, optimiser, schedule shape,
+gradient clip, seed), run by TRL and the transformers ``Trainer`` under it: several devices through
+``accelerate launch`` (DDP; on CPU over gloo), packing, checkpoints and resume, progress, logging.
+
+* **The engine's loss mask is TRL's completion mask.** A trace is pre-tokenised (``input_ids`` as
+  the decoder sees them, evidence blocks included) with ``completion_mask`` = the trace's mask, and
+  ``completion_only_loss``: TRL turns it into labels, -100 on the prompt and on every evidence
+  token. The loss is the mean over labelled tokens of the whole batch, across devices
+  (``average_tokens_across_devices``), as in ``lora.train``.
+* **What stays by hand.** ``answer_weight`` != 1 (a per-token weight in the loss: TRL's loss has
+  none) and ``max_batch_tokens`` (memory by micro-batches of one batch; on TRL use
+  ``gradient_accumulation_steps`` instead) are refused here. The backprop stop below the LoRA layers
+  (``top_layers`` < 1) is the same hook. The schedule is the ``Trainer``'s cosine after a linear
+  warmup (``lora.train``: cosine from step 0, under the warmup ramp): close, not equal.
+* **The loss comes from the model's own logits**, not TRL's fused LM head: that head reads
+  ``lm_head.weight`` directly, which misses (and, on peft's wrapper, fails over) the trained rows of
+  the new marker tokens. The full logits cost about a fifth more than the loop's projection of the
+  labelled positions only, and TRL's entropy and token-accuracy metrics are not logged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .lora import TrainConfig, TrainResult, freeze_below, stop_backprop_below
+
+
+def traces_dataset(traces: list[dict]):
+    """The traces as a pre-tokenised TRL dataset: ``input_ids`` and ``completion_mask``."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": [t["input_ids"] for t in traces],
+                              "completion_mask": [t["mask"] for t in traces]})
+
+
+def world_size() -> int:
+    """Processes of this run (``accelerate launch`` / ``torchrun`` set ``WORLD_SIZE``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def sft_trainer(model, tokenizer, traces: list[dict], cfg: TrainConfig, out: Path, *, checkpoint_every: int = 25,
+                packing: bool = False, progress: bool = True):
+    """An ``SFTTrainer`` for ``model`` (already wrapped by ``lora.wrap_lora`` or a resumed
+    ``PeftModel``) on ``traces``; ``cfg.batch_size`` is the global batch, split over the processes.
+    Checkpoints go to ``out/checkpoint`` every ``checkpoint_every`` steps."""
+    from trl import SFTConfig, SFTTrainer
+
+    if cfg.answer_weight != 1.0:
+        raise ValueError("--answer-weight weights tokens in the loss, which TRL's loss cannot: use --trainer loop")
+    world = world_size()
+    if cfg.batch_size % world:
+        raise ValueError(f"batch size {cfg.batch_size} does not split over {world} processes")
+    cpu = not torch.cuda.is_available()
+    args = SFTConfig(
+        output_dir=str(out / "checkpoint"), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size // world,
+        learning_rate=cfg.lr, lr_scheduler_type="cosine", warmup_steps=cfg.warmup, weight_decay=0.0,
+        max_grad_norm=1.0, seed=cfg.seed, data_seed=cfg.seed, logging_steps=cfg.log_every,
+        save_steps=checkpoint_every, save_total_limit=1, completion_only_loss=True, max_length=cfg.max_len,
+        packing=packing, train_sampling_strategy="group_by_length", use_cpu=cpu, bf16=False, fp16=False, report_to=[],
+        ddp_backend="gloo" if cpu and world > 1 else None, disable_tqdm=not progress, dataset_num_proc=None,
+    )
+    freeze_below(model, cfg)
+    pad = tokenizer.pad_token if tokenizer.pad_token is not None else tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = pad
+    return _trainer_class(SFTTrainer)(model=model, args=args, train_dataset=traces_dataset(traces),
+                                      processing_class=tokenizer)
+
+
+def _trainer_class(base):
+    from transformers import Trainer
+
+    class MarkerSFTTrainer(base):
+        """``SFTTrainer`` whose loss is ``transformers.Trainer``'s: the model's forward, the mean
+        over labelled tokens of the whole batch (see the module docstring)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs["use_cache"] = False
+            return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    return MarkerSFTTrainer
+
+
+def train_trl(trainer, cfg: TrainConfig) -> TrainResult:
+    """Run ``trainer`` to ``cfg.steps``, continuing from the last checkpoint in its output folder
+    if there is one; the loss history (one figure per ``log_every`` steps), time, parameter count."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    model = trainer.model
+    folder = Path(trainer.args.output_dir)
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    stop = stop_backprop_below(model, cfg)
+    t0 = time.perf_counter()
+    try:
+        trainer.train(resume_from_checkpoint=last)
+    finally:
+        if stop is not None:
+            stop.remove()
+        model.eval()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return TrainResult(losses=losses, seconds=time.perf_counter() - t0, trainable_params=params)
