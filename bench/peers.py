@@ -71,6 +71,7 @@ from harness import emit  # noqa: E402
 from peers_report import SYSTEMS, RunResult, combine_runs, print_report, result_json, summarize  # noqa: E402
 from peers_systems import System, erase_llama_slots, log, run_rig, vllm_systems  # noqa: E402
 from resubmit import LlamaCompleter, run_resubmit  # noqa: E402
+from workload import load_synth  # noqa: E402
 
 
 class SearchDelay:
@@ -167,15 +168,13 @@ def main(argv=None) -> int:
         return 2
 
     from rig_decode.config import RigConfig
-    from rig_decode.eval.datasets import DatasetError, load_dataset
     from rig_decode.prompt import build_prompt
     from rig_decode.retrieval.factory import build_retriever
 
-    try:
-        examples, corpus = load_dataset(args.dataset)
-    except DatasetError as e:
-        print(f"bench/peers.py: {e} (write the synthetic benchmark with: rig synth --out out/synth)", file=sys.stderr)
+    loaded = load_synth(args.dataset, "bench/peers.py")
+    if loaded is None:
         return 2
+    examples, corpus = loaded
     examples = [e for e in examples if (e.hops or 0) >= args.min_hops][: args.questions]
     if not examples:
         print(f"bench/peers.py: no question of {args.dataset} needs {args.min_hops} hops", file=sys.stderr)

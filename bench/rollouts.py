@@ -28,9 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/, as when run as a script
 
 from harness import Table, emit  # noqa: E402
+from workload import load_synth  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -76,7 +77,6 @@ def main(argv=None) -> int:
         return 2
     from rig_decode.config import RigConfig
     from rig_decode.engine import RigEngine
-    from rig_decode.eval.datasets import DatasetError, load_dataset
     from rig_decode.markers import MarkerSpec
     from rig_decode.models.loader import load_model
     from rig_decode.prompt import build_prompt
@@ -84,11 +84,10 @@ def main(argv=None) -> int:
     from rig_decode.session import engine_options
     from rig_decode.train.grpo import rollout_seeds
 
-    try:
-        examples, corpus = load_dataset(args.dataset)
-    except DatasetError as e:
-        print(f"bench/rollouts.py: {e} (write the synthetic benchmark with: rig synth --out out/synth)", file=sys.stderr)
+    loaded = load_synth(args.dataset, "bench/rollouts.py")
+    if loaded is None:
         return 2
+    examples, corpus = loaded
     examples = examples[: args.questions]
     cfg = RigConfig().updated(rig={"max_iterations": args.max_iterations}, model={"max_tokens": args.max_tokens})
     log(f"{len(examples)} questions x {args.generations}; building the retriever over {len(corpus or [])} documents")
