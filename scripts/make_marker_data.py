@@ -48,7 +48,7 @@ from rig_decode.models.loader import load_tokenizer
 from rig_decode.prompt import MARKER_ADAPTER_PROMPT
 from rig_decode.retrieval.factory import build_retriever
 from rig_decode.train.conversations import ConversationTraceBuilder
-from rig_decode.train.data import PATHS, Trace, TraceBuilder
+from rig_decode.train.data import PATHS, Trace, TraceBuilder, training_corpus
 
 KINDS = ("chain", "compare", "yesno", "no_retrieval")
 """Question kinds of the wide worlds' records (``eval/world_questions.py``)."""
@@ -161,17 +161,6 @@ def select(built: list[tuple[dict, Trace | None]], templates: set[str] | None, k
             room -= 1
         out.append(t)
     return out
-
-
-def training_corpus(corpus: list) -> list:
-    """The documents a training trace may show: none of a test world (``metadata.split`` starting
-    with ``test``), so no held-out relation, phrasing or entity reaches training even as a
-    distractor in evidence."""
-    kept = [d for d in corpus if not str(d.metadata.get("split", "")).startswith("test")]
-    if len(kept) < len(corpus):
-        print(f"corpus: {len(corpus) - len(kept)} of {len(corpus)} documents belong to test worlds: "
-              "left out of the retriever", file=sys.stderr)
-    return kept
 
 
 def _conversations(args, src: Path, path: Path, tok, retriever, variant: str, cite: bool) -> dict:

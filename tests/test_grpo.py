@@ -40,7 +40,7 @@ def _setup(tmp_path, steps: int = 1):
     data = Dataset.from_dict({"prompt": QUESTIONS * 2, "answer": ANSWERS * 2, "needs_retrieval": [True] * 6})
     args = GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=steps, per_device_train_batch_size=4,
                       num_generations=2, learning_rate=1e-2, logging_steps=1, use_cpu=True, report_to=[],
-                      temperature=1.0, beta=0.0, seed=0, save_strategy="no", disable_tqdm=True)
+                      temperature=1.0, beta=0.0, seed=0, save_strategy="no", disable_tqdm=True, bf16=False)
     trainer = GRPOTrainer(model=policy, reward_funcs=[answer_f1, format_reward, reply_length], args=args, train_dataset=data,
                           processing_class=tok, rollout_func=rollout)
     return trainer, rollout, engine, tok
@@ -101,7 +101,73 @@ def test_rollout_ids_equal_the_engines_own_sampling(tmp_path):
     assert out["searches"] == [s.trace.num_hops for s in again]
 
 
+def test_a_rollout_after_an_optimiser_step_samples_from_the_new_weights(tmp_path):
+    """The engine keeps the shared prompt prefix's KV across requests: a rollout after a step must not
+    start from KV the old weights computed. Step 1's rollouts equal a fresh engine's on the trained
+    weights with the same seeds."""
+    trainer, rollout, engine, tok = _setup(tmp_path, steps=2)
+    weights = {}  # the policy's LoRA weights as each rollout saw them
+    call = rollout.__call__
+
+    def snapshot(prompts, trainer):
+        weights[trainer.state.global_step] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+                                              if p.requires_grad}
+        return call(prompts, trainer)
+
+    trainer.rollout_func = snapshot
+    trainer.train()
+    seqs = rollout.last
+    assert sorted(weights) == [0, 1] and any(not torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+    with torch.no_grad():  # back to the weights step 1's rollout sampled with
+        for n, p in trainer.model.named_parameters():
+            if n in weights[1]:
+                p.copy_(weights[1][n])
+    fresh = RigEngine(engine.model.eval(), tok, ScriptedRetriever(), engine.opts)  # (training leaves it in train mode)
+    with torch.no_grad():
+        again = [fresh.new_sequence(list(s.prompt_ids), seq_id=i, temperature=1.0, seed=seed)
+                 for i, (s, seed) in enumerate(zip(seqs, rollout.seeds(len(seqs), step=1)))]
+        fresh.generate(again)
+    assert [s.token_ids for s in seqs] == [s.token_ids for s in again]
+
+
 def test_rewards_score_the_visible_answer_and_the_format():
     assert answer_f1([None] * 2, reply=["Release 4.2.1", "no idea"], answer=["4.2.1", "P1"]) == [pytest.approx(2 / 3), 0.0]
     assert format_reward([None] * 3, marker_errors=[0, 1, 0], searches=[1, 1, 2],
                          needs_retrieval=[True, True, False]) == [0.0, -0.5, -0.5]
+
+
+def test_stacked_adapters_are_the_first_merged_then_the_second(tmp_path):
+    """The adapter a GRPO stage ships: the SFT adapter (LoRA and marker rows) and the GRPO LoRA trained
+    on top of it, as one adapter whose merge gives the logits of merging one after the other."""
+    from peft import PeftModel
+
+    from rig_decode.train.grpo import stack_adapters
+
+    tok = tiny_tokenizer()
+    base = tiny_model(len(tok))
+    marks = add_marker_tokens(base, tok, MarkerSpec.special_token())
+    base.save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+
+    def trained(peft_model):  # LoRA's B starts at zero: give every weight of the adapter a value
+        with torch.no_grad():
+            for p in peft_model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.05)
+        return peft_model
+
+    def merged(*adapters):
+        model = type(base).from_pretrained(tmp_path / "base")
+        for name in adapters:
+            model = PeftModel.from_pretrained(model, tmp_path / name).merge_and_unload()
+        return model
+
+    trained(wrap_lora(merged(), TrainConfig(rank=4, alpha=8, top_layers=1.0), marks)).save_pretrained(tmp_path / "sft")
+    trained(wrap_lora(merged("sft"), TrainConfig(rank=2, alpha=6, top_layers=1.0))).save_pretrained(tmp_path / "grpo")
+    stack_adapters(tmp_path / "sft", tmp_path / "grpo", tmp_path / "both")
+    ids = torch.tensor([[5, 9, marks[0], 40, 41, marks[1], 17]])
+    with torch.no_grad():
+        expected, got, sft_only = (merged(*names)(input_ids=ids).logits
+                                   for names in (("sft", "grpo"), ("both",), ("sft",)))
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert not torch.allclose(got, sft_only, atol=1e-3)  # the second adapter counts

@@ -134,3 +134,8 @@ def test_a_stopped_run_continues_from_its_checkpoint_to_the_same_result(tmp_path
     assert len(whole.losses) == 6 and resumed.losses == pytest.approx(whole.losses, abs=1e-6)
     for (n, a), (_, b) in zip(whole_model.named_parameters(), resumed_model.named_parameters()):
         assert torch.allclose(a, b, atol=1e-6), n
+    with pytest.raises(KeyboardInterrupt):
+        run("other", Stop())
+    cfg = TrainConfig(steps=6, batch_size=4, lr=1e-3, warmup=1, log_every=1, top_layers=1.0)  # another run
+    with pytest.raises(ValueError, match="checkpoints of another run"):
+        run("other")

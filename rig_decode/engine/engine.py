@@ -212,6 +212,17 @@ class RigEngine:
             self.runner.reset(0)
         return seqs
 
+    def weights_changed(self) -> None:
+        """The model was trained since the last request (an RL rollout between optimiser steps): the
+        KV the runner keeps across requests (the shared prompt prefix) was computed by the old weights
+        and goes. Call it with nothing in flight."""
+        if self.has_unfinished:
+            raise RuntimeError("weights_changed with requests in flight")
+        if self.chunks is not None:
+            raise ValueError("zero_prefill keeps evidence KV computed by earlier weights: not for a model in training")
+        if isinstance(self.runner, HFModelRunner):
+            self.runner.reset(0, weights_changed=True)
+
     def retrieval_health(self) -> dict:
         """The retrieval worker's state: ``status`` ok | degraded, ``reason``, hung searches..."""
         return self.worker.health()

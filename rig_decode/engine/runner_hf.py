@@ -28,23 +28,20 @@ Keys carry their rotary position already, so attention does not care which colum
 (it drops leading holes of first prompts and evicted spans): when a row leaves the batch, and
 whenever the columns beyond the longest row's length are a quarter of the columns.
 
-The cache and the row bookkeeping (``attn``, ``lengths``, ``ends``) live in a ``RowCache``
-(``row_cache.py``); its layers are ``models.kv_buffers.BufferedLayer``s: writes land in place, in
-buffers with spare rows and columns. Where the KV is written: a computed token's key and value in
-``BufferedLayer.update``, called by the model's attention during a forward the runner runs, at the
-columns the runner set in ``layer.scatter`` (a packed step) or as new right-hand columns (a plain
-one); precomputed KV is copied in by ``RowCache.seed`` (a shared prompt prefix) and
-``KVSurgery`` (staged evidence).
+The cache and the row bookkeeping (``attn``, ``lengths``, ``ends``) live in a ``RowCache`` (``row_cache.py``);
+its layers are ``models.kv_buffers.BufferedLayer``s: writes land in place, in buffers with spare rows and
+columns. Where the KV is written: a computed token's key and value in ``BufferedLayer.update``, called by the
+model's attention during a forward the runner runs, at the columns the runner set in ``layer.scatter`` (a
+packed step) or as new right-hand columns (a plain one); precomputed KV is copied in by ``RowCache.seed`` (a
+shared prompt prefix) and ``KVSurgery`` (staged evidence).
 
-A row can also drop a span of its tokens (``evict``) and take precomputed KV (``step(...,
-staged=)``, zero-prefill evidence): both move keys to new positions, done by ``KVSurgery``
-(``kv_surgery.py``), which the runner holds and calls; it never calls back. ``step`` runs its
-forwards through ``_forward``, never through itself.
+A row can also drop a span of its tokens (``evict``) and take precomputed KV (``step(..., staged=)``,
+zero-prefill evidence): both move keys to new positions, done by ``KVSurgery`` (``kv_surgery.py``),
+which the runner holds and calls; it never calls back. ``step`` runs its forwards through ``_forward``.
 
-Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix
-it computed; because attention is causal, the KV of any prefix of it is valid for any prompt that
-starts the same way, so a new row is seeded (at its left) with the longest common prefix and
-prefills the rest.
+Prompts share their start (the system prompt). The runner keeps the KV of the last prompt prefix it
+computed (valid, attention being causal, for any prompt that starts the same way: a new row is seeded
+with the longest common prefix and prefills the rest) until the weights change (``reset``).
 
 A decode step (every row feeds one token over a cache that holds tokens) can instead run as one
 function of tensors over the layers' whole buffers (``decode_step``: ``models.decode_graph``),
@@ -53,8 +50,8 @@ the buffers' rows, so its shapes change only when a buffer grows. Every prefill 
 rows joining, a shared prefix) runs in forwards of at most ``prefill_chunk`` tokens, so its
 activations are bounded by the chunk, not by the prompt.
 
-Only full-attention models are served (every cache layer a ``BufferedLayer``): a sliding window
-would count hole columns as tokens.
+Only full-attention models are served (every cache layer a ``BufferedLayer``): a sliding window would
+count hole columns as tokens.
 """
 
 from __future__ import annotations
@@ -106,9 +103,12 @@ class HFModelRunner:
     def context_limit(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
-    def reset(self, batch_size: int = 0) -> None:
+    def reset(self, batch_size: int = 0, weights_changed: bool = False) -> None:
+        """An empty batch of ``batch_size`` rows; ``weights_changed``: the cached prompt prefix goes too."""
         self.kv.reset(batch_size)
         self._capture = {}
+        if weights_changed:
+            self._prefix = None
 
     # -- adding rows --------------------------------------------------------------------------------
 

@@ -108,8 +108,9 @@ def greedy(scores: torch.Tensor) -> tuple[list[int], list[bool]]:
 
 def sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
     """One row's token: temperature, then nucleus (top-p) sampling with the row's own generator,
-    so a row samples the same tokens whatever batch it is in."""
-    probs = torch.softmax(logits / temperature, dim=-1)
+    so a row samples the same tokens whatever batch it is in; on the CPU, where the generator lives
+    (a CUDA row would refuse it), so a seed draws the same tokens on any device."""
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > top_p

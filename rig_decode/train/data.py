@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from dataclasses import dataclass, field
 
 from ..eval.synth import TEMPLATES
@@ -241,3 +242,14 @@ class TraceBuilder:
         self.stats.built += 1
         self.stats.kinds[trace.kind] = self.stats.kinds.get(trace.kind, 0) + 1
         return trace
+
+
+def training_corpus(corpus: list) -> list:
+    """The documents a training trace may show: none of a test world (``metadata.split`` starting
+    with ``test``), so no held-out relation, phrasing or entity reaches training even as a
+    distractor in evidence."""
+    kept = [d for d in corpus if not str(d.metadata.get("split", "")).startswith("test")]
+    if len(kept) < len(corpus):
+        print(f"corpus: {len(corpus) - len(kept)} of {len(corpus)} documents belong to test worlds: "
+              "left out of the retriever", file=sys.stderr)
+    return kept

@@ -16,9 +16,11 @@ TRL folds into its loss mask as it does for tool results. So no loop of our own,
   in (the engine's splice equals a cache-free forward: ``tests/test_exactness.py``). Its
   ``env_mask`` is the engine's mask (1 only where the model sampled), so evidence and forced tokens
   carry no loss.
-* **Sampling** at the trainer's ``temperature`` (the one TRL scores with), one generator per
-  completion seeded from the run's seed, the step, the process and the index: a resumed run draws
-  what the uninterrupted one drew.
+* **Sampling** at the trainer's ``temperature`` and ``top_p`` (TRL scores with that temperature), one
+  generator per completion seeded from the run's seed, the step, the process and the index: a
+  resumed run draws what the uninterrupted one drew. Before each rollout the engine drops the KV
+  it keeps across requests (``RigEngine.weights_changed``: the shared prompt prefix, computed by
+  the weights before the last optimiser step).
 
 The policy is LoRA only (``lora.wrap_lora`` without token ids), on a model whose marker rows are
 already learned (an SFT adapter merged): TRL scores tokens through a fused LM head that reads the
@@ -33,7 +35,9 @@ read, -0.5 for a search on a question that needs none.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,15 +58,18 @@ class EngineRollout:
         return rollout_seeds(self.seed, n, step, process)
 
     def __call__(self, prompts: list[str], trainer) -> dict:
-        step, process = trainer.state.global_step, trainer.accelerator.process_index
-        temperature = trainer.args.temperature
+        step, process, args = trainer.state.global_step, trainer.accelerator.process_index, trainer.args
+        if args.top_k or args.min_p is not None or args.repetition_penalty != 1.0:
+            raise ValueError("the engine samples with temperature and top_p only: leave top_k, min_p and "
+                             "repetition_penalty at their defaults")
+        self.engine.weights_changed()  # the optimiser moved the weights since the last rollout
         model = self.engine.model
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                seqs = [self.engine.new_sequence(self.prompt_ids(q), seq_id=i, question=q, temperature=temperature,
-                                                 seed=seed, max_new_tokens=self.max_new_tokens)
+                seqs = [self.engine.new_sequence(self.prompt_ids(q), seq_id=i, question=q, temperature=args.temperature,
+                                                 top_p=args.top_p, seed=seed, max_new_tokens=self.max_new_tokens)
                         for i, (q, seed) in enumerate(zip(prompts, self.seeds(len(prompts), step, process)))]
                 self.engine.generate(seqs)
         finally:
@@ -102,3 +109,38 @@ def format_reward(completions, marker_errors, searches, needs_retrieval=None, **
 
 def _gold(answer) -> list[str]:
     return [answer] if isinstance(answer, str) else list(answer)
+
+
+def stack_adapters(first: Path, second: Path, out: Path) -> None:
+    """Write one LoRA adapter that applies ``first`` and then ``second`` (trained on the model with
+    ``first`` merged): in every module, ranks side by side (the A matrices stacked, the B matrices
+    side by side, each scaled by its adapter's alpha / r; the new alpha is the new rank, so the
+    scale is 1), which is exactly the sum of the two updates; ``first``'s other weights (trained
+    marker rows) are kept. ``model.adapter`` then loads the result like any adapter."""
+    from safetensors.torch import load_file, save_file
+
+    configs = [json.loads((Path(d) / "adapter_config.json").read_text()) for d in (first, second)]
+    for c in configs:
+        if c.get("peft_type") != "LORA" or c.get("use_rslora") or c.get("use_dora") or c.get("rank_pattern") \
+                or c.get("alpha_pattern"):
+            raise ValueError("stack_adapters takes plain LoRA adapters (one rank and alpha, no rsLoRA or DoRA)")
+    w1, w2 = (load_file(str(Path(d) / "adapter_model.safetensors")) for d in (first, second))
+    lora = [k for k in w2 if ".lora_A." in k or ".lora_B." in k]
+    if set(w2) - set(lora) or set(lora) - set(w1):
+        raise ValueError(f"{second} has weights {first} has no LoRA for: train it on the same modules")
+    s1, s2 = (c["lora_alpha"] / c["r"] for c in configs)
+    stacked = {}
+    for k, v in w1.items():
+        if ".lora_A." in k:
+            other = w2.get(k, torch.zeros(configs[1]["r"], v.shape[1]))
+            stacked[k] = torch.cat([v.float(), other.float()], 0)
+        elif ".lora_B." in k:
+            other = w2.get(k, torch.zeros(v.shape[0], configs[1]["r"]))
+            stacked[k] = torch.cat([v.float() * s1, other.float() * s2], 1)
+        else:
+            stacked[k] = v
+    rank = configs[0]["r"] + configs[1]["r"]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in stacked.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({**configs[0], "r": rank, "lora_alpha": rank}, indent=2))

@@ -22,8 +22,10 @@ gradient clip, seed), run by TRL and the transformers ``Trainer`` under it: seve
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -65,12 +67,26 @@ def sft_trainer(model, tokenizer, traces: list[dict], cfg: TrainConfig, out: Pat
         packing=packing, train_sampling_strategy="group_by_length", use_cpu=cpu, bf16=False, fp16=False, report_to=[],
         ddp_backend="gloo" if cpu and world > 1 else None, disable_tqdm=not progress, dataset_num_proc=None,
     )
+    _check_identity(out / "checkpoint", {"config": asdict(cfg), "traces": len(traces),
+                                         "first": traces[0]["input_ids"][:32], "packing": packing})
     freeze_below(model, cfg)
     pad = tokenizer.pad_token if tokenizer.pad_token is not None else tokenizer.eos_token
     if tokenizer.pad_token is None:
         tokenizer.pad_token = pad
     return _trainer_class(SFTTrainer)(model=model, args=args, train_dataset=traces_dataset(traces),
                                       processing_class=tokenizer)
+
+
+def _check_identity(folder: Path, identity: dict) -> None:
+    """Checkpoints in ``folder`` belong to this run (same settings and data), or there are none: a
+    run's ``identity.json`` is written beside them, and a checkpoint of another run is refused (TRL
+    would resume any)."""
+    path, identity = folder / "identity.json", json.loads(json.dumps(identity))  # tuples as JSON lists
+    if any(folder.glob("checkpoint-*")) and path.is_file() and json.loads(path.read_text()) != identity:
+        raise ValueError(f"{folder} holds checkpoints of another run (other data or settings): delete it to start "
+                         "afresh, or resume with the same arguments")
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(identity))
 
 
 def _trainer_class(base):
