@@ -16,8 +16,9 @@ gradient clip, seed), run by TRL and the transformers ``Trainer`` under it: seve
   warmup (``lora.train``: cosine from step 0, under the warmup ramp): close, not equal.
 * **The loss comes from the model's own logits**, not TRL's fused LM head: that head reads
   ``lm_head.weight`` directly, which misses (and, on peft's wrapper, fails over) the trained rows of
-  the new marker tokens. The full logits cost about a fifth more than the loop's projection of the
-  labelled positions only, and TRL's entropy and token-accuracy metrics are not logged.
+  the new marker tokens. The full logits (the loop projects the labelled positions only) and the
+  ``Trainer``'s own work made a 30-step CPU stage take 1.64x the loop's time (docs/marker-training.md);
+  TRL's entropy and token-accuracy metrics are not logged.
 """
 
 from __future__ import annotations
