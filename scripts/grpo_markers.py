@@ -113,8 +113,7 @@ def main(argv=None) -> int:
     engine.close()
     policy.save_pretrained(out / "grpo-lora", save_embedding_layers=False)  # LoRA only: stack_adapters takes it
     stack_adapters(sft, out / "grpo-lora", out)
-    for name in ("rig_adapter.json",):
-        shutil.copy(sft / name, out / name)
+    shutil.copy(sft / "rig_adapter.json", out / "rig_adapter.json")
     history = [h for h in trainer.state.log_history if "reward" in h]
     record = {"stage": "grpo", "adapter": str(args.adapter), "synth": args.synth, "questions": len(examples),
               "args": vars(args), "seconds": round(seconds),
