@@ -20,10 +20,11 @@ import torch
 class FakeLlamaServer:
     def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
                  slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0, bad_ids: int = 0,
-                 token_text=None, honour_bans: bool = True):
+                 token_text=None, honour_bans: bool = True, drop_slot: int | None = None):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
-        self.drop_connections = drop_connections
-        """The first this many completion requests are dropped: the connection is closed unanswered."""
+        self.drop_connections, self.drop_slot = drop_connections, drop_slot
+        """The first this many completion requests (for slot ``drop_slot``: None, any) are dropped:
+        the connection is closed unanswered."""
         self.garbage, self.token_delay_s = garbage, token_delay_s
         """``token_delay_s``: a pause after each decoded token (a server slower than its client)."""
         """The first this many completion requests are answered with something that is not JSON."""
@@ -149,7 +150,8 @@ class FakeLlamaServer:
                     self._send(404, {"error": "not found"})
                     return
                 with server.lock:
-                    drop, server.drop_connections = server.drop_connections > 0, max(0, server.drop_connections - 1)
+                    drop = server.drop_connections > 0 and server.drop_slot in (None, body.get("id_slot"))
+                    server.drop_connections -= drop
                 if drop:
                     self.close_connection = True
                     return

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rig_decode.engine.servers import LlamaCppServer
+from rig_decode.engine.runner_remote import RemoteRunner
 from rig_decode.engine.runner_stream import RUN_AHEAD, StreamingRunner
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.markers import MarkerSpec, MarkerVocab
@@ -108,13 +109,29 @@ def test_each_row_keeps_its_slot(model, tok):
     assert runner.free_slots == [0, 1, 2, 3]  # given back when the rows ended
 
 
-def test_a_dropped_stream_or_garbage_fails_that_row_alone(model, tok):
-    """A request the server drops, or answers with garbage (not JSON; a token id no tokenizer has),
-    ends its row with an engine error naming the server (or the token); the other rows of the batch
-    finish as the in-process engine finishes them."""
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_request_the_server_closed_unanswered_goes_once_more(model, tok, streaming):
+    """llama-server closes a kept-alive connection after a stream read to its end, and a request
+    sent on it meanwhile gets no answer at all ("Server disconnected without sending a response").
+    The server never saw such a request: it goes once more on a new connection, and no row fails."""
     script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
     local = _generate(_engine(model, tok, script, max_new_tokens=40), tok, PROMPTS)
-    for fault in ({"drop_connections": 1}, {"garbage": 1}, {"bad_ids": 1}):
+    with FakeLlamaServer(model, tok.eos_token_id, drop_connections=1) as server:
+        server_api = LlamaCppServer(server.url)
+        runner = (StreamingRunner(server_api, len(tok), timeout_s=10) if streaming
+                  else RemoteRunner(server_api, len(tok), lookahead=8))
+        remote = _generate(_engine(model, tok, script, runner=runner, max_new_tokens=40), tok, PROMPTS)
+        assert server.drop_connections == 0  # it dropped one
+    assert [(s.token_ids, s.finish_reason) for s in remote] == [(s.token_ids, s.finish_reason) for s in local]
+
+
+def test_a_dropped_stream_or_garbage_fails_that_row_alone(model, tok):
+    """A request the server drops (and drops again when it goes once more), or answers with garbage
+    (not JSON; a token id no tokenizer has), ends its row with an engine error naming the server (or
+    the token); the other rows of the batch finish as the in-process engine finishes them."""
+    script = _script(MarkerVocab(tok, MarkerSpec.special_token()), tok.eos_token_id)
+    local = _generate(_engine(model, tok, script, max_new_tokens=40), tok, PROMPTS)
+    for fault in ({"drop_connections": 2, "drop_slot": 0}, {"garbage": 1}, {"bad_ids": 1}):
         with FakeLlamaServer(model, tok.eos_token_id, **fault) as server:
             runner = StreamingRunner(LlamaCppServer(server.url), len(tok), timeout_s=10)
             remote = _generate(_engine(model, tok, script, runner=runner, max_new_tokens=40), tok, PROMPTS)
@@ -183,6 +200,20 @@ def test_an_openai_server_stream_is_read_as_vllm_writes_it():
     assert body["prompt"] == [1, 2, 3] and body["stream"] and body["return_token_ids"] and body["logprobs"] == 2
 
 
+class _RowCounter:
+    """A processor that bans nothing and counts the rows it is applied to."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def apply(self, rows, scores):
+        self.rows += len(rows)
+        return scores
+
+    def fixed_bans(self, row):
+        return frozenset()
+
+
 @pytest.mark.parametrize("hops,honour", [(0, True), (1, True), (0, False)])
 def test_the_server_applies_the_bans_and_picks_the_in_process_tokens(tok_special, hops, honour):
     """Outside a query the rules only ban tokens: the stream asks the server to apply them
@@ -201,10 +232,17 @@ def test_the_server_applies_the_bans_and_picks_the_in_process_tokens(tok_special
         model.lm_head.weight[end] = 1.5 * model.lm_head.weight[second]
     opts = {"max_iterations": hops, "max_new_tokens": 40, "max_query_tokens": 4}
     local = _generate(_engine(model, tok_special, {}, **opts), tok_special, PROMPTS)
+    seen = _RowCounter()
     with FakeLlamaServer(model, tok_special.eos_token_id, honour_bans=honour) as server:
         runner = StreamingRunner(LlamaCppServer(server.url), len(tok_special))
-        remote = _generate(_engine(model, tok_special, {}, runner=runner, **opts), tok_special, PROMPTS)
+        engine = _engine(model, tok_special, {}, runner=runner, **opts)
+        engine.processors.insert(0, seen)
+        remote = _generate(engine, tok_special, PROMPTS)
     assert [s.token_ids for s in remote] == [s.token_ids for s in local]
+    sampled = sum(s.num_generated for s in remote)
+    # the engine runs its processors only where the server sent scores, not on the server's picks
+    # (scores: inside a query, and where a server that ignores bans picked a banned token)
+    assert seen.rows < sampled and (seen.rows > 0) == (hops > 0 or not honour)
     assert max(s.trace.num_hops for s in remote) == hops  # it opened the hop it could
     if not honour:
         assert len(server.requests) > 10 * len(PROMPTS) and any(r["n_probs"] for r in server.requests)

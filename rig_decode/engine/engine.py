@@ -242,7 +242,8 @@ class RigEngine:
         t0 = time.perf_counter()
         spliced = [s.has_evidence_pending for s in rows]
         logits = self._run(ready, staged)
-        sampled = self.sampler.sample(rows, logits, ready, time.perf_counter())
+        picked = self.runner.take_picks() if hasattr(self.runner, "take_picks") else None
+        sampled = self.sampler.sample(rows, logits, ready, time.perf_counter(), picked)
         parked = postprocess(rows, sampled, spliced, t0, self.stop_ids, self.runner.context_limit,
                              getattr(self.runner, "row_info", None), ready)
         now = time.perf_counter()

@@ -19,8 +19,9 @@ token the server did not predict:
 Where the rules at a row's next position only ban tokens (outside a query: the hop budget, a stray
 end delimiter, citations outside a number) and the row decodes greedily, the engine passes the bans
 (``Sampler.fixed_bans``) and the stream asks the server to apply them (``logit_bias``) and send no
-log-probabilities: the server's own greedy pick is then the engine's, and it skips the sort of the
-whole vocabulary that any top-N list costs llama-server per token. Such a stream stops after a token
+log-probabilities: the server's own greedy pick is then the engine's, which takes it as it is
+(``take_picks``: its processors do not run again on what they would only ban), and the server skips
+the top-N list it would otherwise build per token. Such a stream stops after a token
 that opens a query (``opens_query``), where the newline rule needs the scores again: a hop costs two
 requests then (the query, the answer after the evidence), each of them cheap next to the tokens it
 spares the sort. A row whose bans change (or that needs scores) gets a new stream.
@@ -148,6 +149,8 @@ class StreamingRunner(RemoteRunner):
         self.free_slots = list(range(slots)) if slots else []
         self.max_rows = slots
         """Rows that may decode at once (a server's slots; None: no limit)."""
+        self.picks: dict[int, int] = {}
+        """Rows whose token in the last step the server picked under the row's bans (``take_picks``)."""
         self.stop_after: frozenset[int] = frozenset()
         """Tokens after which a stream closes itself (the engine sets its end delimiter's, where it
         is one token): the server stops then, not when the engine gets there."""
@@ -212,7 +215,7 @@ class StreamingRunner(RemoteRunner):
             if not follows:
                 row.bans = want
                 self._open(row)
-        logits = self._new_logits(feeds)
+        logits, self.picks = self._new_logits(feeds), {}
         for i in fed:
             row = self.rows[i]
             try:
@@ -222,6 +225,8 @@ class StreamingRunner(RemoteRunner):
                     self._open(row)
                     row.next = self._next(row)
                 self._write_scores(logits[i], row.next.top)
+                if row.bans is not None:
+                    self.picks[i] = row.next.token
             except RemoteError as e:  # this row's request failed: the others go on
                 self.row_errors[i] = str(e)
                 logits[i].numpy().fill(0.0)
@@ -236,6 +241,13 @@ class StreamingRunner(RemoteRunner):
             if row.stream is not None:
                 row.stream.close()
                 row.stream = None
+
+    def take_picks(self) -> dict[int, int]:
+        """The last step's tokens the server picked under each row's bans, by row: the engine's
+        processors would ban the same and its greedy pick is the server's, so it takes them as they
+        are (``Sampler.sample``'s ``picked``)."""
+        picks, self.picks = self.picks, {}
+        return picks
 
     def take_row_errors(self) -> dict[int, str]:
         errors, self.row_errors = self.row_errors, {}

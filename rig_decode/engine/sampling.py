@@ -30,9 +30,21 @@ class Sampler:
         """``processors``: the list the engine exposes; callers may insert into it later."""
         self.processors, self.opts = processors, options
 
-    def sample(self, rows: list[Sequence], logits: torch.Tensor, at: list[int], now: float) -> Sampled:
+    def sample(self, rows: list[Sequence], logits: torch.Tensor, at: list[int], now: float,
+               picked: dict[int, int] | None = None) -> Sampled:
         """A token per row, ``rows[j]`` from the step's logits row ``at[j]`` (the step's logits stay
-        untouched: a row-by-row retry starts from them)."""
+        untouched: a row-by-row retry starts from them). ``picked``: tokens a model server already
+        picked greedily under the bans ``fixed_bans`` gave it, by logits row: the processors would ban
+        the same and greedy would pick the same, so those rows are taken as they are (per token, the
+        processors are most of what the engine does for a row a server decodes)."""
+        if picked and any(i in picked for i in at):
+            todo = [j for j, i in enumerate(at) if i not in picked]
+            tokens, forced = [picked.get(i, -1) for i in at], [False] * len(at)
+            if todo:
+                rest = self.sample([rows[j] for j in todo], logits, [at[j] for j in todo], now)
+                for j, token, f in zip(todo, rest.tokens, rest.forced):
+                    tokens[j], forced[j] = token, f
+            return Sampled(tokens, forced)
         try:
             processed = self._process(rows, _rows(logits, at))
         except Exception:  # noqa: BLE001 - find the row(s) it fails on

@@ -7,6 +7,7 @@ up as the prompt and come back with each position's top log-probabilities, as on
 from __future__ import annotations
 
 import json
+from contextlib import closing
 from dataclasses import dataclass
 
 
@@ -45,11 +46,24 @@ class HttpServer:
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
+    def _send(self, path: str, body: dict, stream: bool = False):
+        """``POST`` ``body``; the response (read, or open where ``stream``). A request that got no
+        answer at all on a kept-alive connection goes once more, on a new one: the server had closed
+        that connection (llama-server does after a stream read to its end, racing the client's next
+        request on it), so it never saw the request."""
+        import httpx
+
+        request = self.http.build_request("POST", path, json=body)
+        try:
+            return self.http.send(request, stream=stream)
+        except httpx.RemoteProtocolError:  # "Server disconnected without sending a response"
+            return self.http.send(request, stream=stream)
+
     def post(self, path: str, body: dict) -> dict:
         import httpx
 
         try:
-            r = self.http.post(path, json=body)
+            r = self._send(path, body)
         except httpx.HTTPError as e:
             raise RemoteError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
@@ -66,7 +80,7 @@ class HttpServer:
         import httpx
 
         try:
-            with self.http.stream("POST", path, json=body) as r:
+            with closing(self._send(path, body, stream=True)) as r:
                 if opened is not None:
                     opened(r)
                 if r.status_code != 200:
