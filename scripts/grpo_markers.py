@@ -1,7 +1,7 @@
 """A GRPO stage on a marker adapter, its rollouts through the engine (``rig_decode/train/grpo.py``).
 
     python scripts/grpo_markers.py --synth out/synth-s5 --out out/grpo-1 [--adapter auto] [--steps 100] \\
-        [--prompts 4] [--generations 4] [--lr 1e-5] [--temperature 1.0] [--max-iterations 3]
+        [--prompts 4] [--generations 4] [--lr 1e-5] [--temperature 1.0] [--max-iterations 3] [--min-hops 0]
 
 Questions come from a ``rig synth`` folder's ``train.jsonl`` only (its test and dev splits, and
 every test world's documents, stay out: ``train.data.training_corpus``); the retriever is the
@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reward-weights", default="1,1", help="answer F1, format")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--min-hops", type=int, default=0,
+                    help="only questions of at least this many hops (a group of rollouts that all answer right, or "
+                         "all wrong, has no advantage: questions the adapter already gets right teach nothing)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.generations < 2 or args.temperature <= 0:
         ap.error("--prompts >= 1, --generations >= 2 (a group to compare) and --temperature > 0")
@@ -73,6 +76,9 @@ def main(argv=None) -> int:
     examples, corpus = load_dataset(train_file)
     if any(not str(e.id).startswith("train") for e in examples):
         ap.error(f"{train_file} holds questions of other splits: GRPO trains on training questions only")
+    examples = [e for e in examples if (e.hops or 0) >= args.min_hops]
+    if not examples:
+        ap.error(f"no question of {train_file} has {args.min_hops} hops or more")
     # fp32 and plain linears (the packed CPU GEMM is for inference: it has no backward)
     model_cfg = {"adapter": args.adapter, "max_tokens": args.max_tokens, "dtype": "float32", "cpu_gemm": "torch"}
     if args.model:
