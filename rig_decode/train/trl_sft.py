@@ -14,11 +14,13 @@ gradient clip, seed), run by TRL and the transformers ``Trainer`` under it: seve
   ``gradient_accumulation_steps`` instead) are refused here. The backprop stop below the LoRA layers
   (``top_layers`` < 1) is the same hook. The schedule is the ``Trainer``'s cosine after a linear
   warmup (``lora.train``: cosine from step 0, under the warmup ramp): close, not equal.
-* **The loss comes from the model's own logits**, not TRL's fused LM head: that head reads
+* **The loss is the loop's**, computed here, not by TRL's fused LM head: that head reads
   ``lm_head.weight`` directly, which misses (and, on peft's wrapper, fails over) the trained rows of
-  the new marker tokens. The full logits (the loop projects the labelled positions only) and the
-  ``Trainer``'s own work made a 30-step CPU stage take 1.64x the loop's time (docs/marker-training.md);
-  TRL's entropy and token-accuracy metrics are not logged.
+  the new marker tokens. The forward runs through the wrapped model (DDP's hooks see it), and a
+  pre-hook on the output projection hands it only the positions that predict a kept label: a trace's
+  labelled tokens are a tenth of it, and full logits over the vocabulary made TRL take 3.3x the
+  loop's time per step on 1,536-token traces (1.64x on short ones). TRL's entropy and
+  token-accuracy metrics are not logged.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .lora import TrainConfig, TrainResult, freeze_below, stop_backprop_below
+from .lora import IGNORE, TrainConfig, TrainResult, freeze_below, stop_backprop_below
 
 
 def traces_dataset(traces: list[dict]):
@@ -66,6 +68,7 @@ def sft_trainer(model, tokenizer, traces: list[dict], cfg: TrainConfig, out: Pat
         max_grad_norm=1.0, seed=cfg.seed, data_seed=cfg.seed, logging_steps=cfg.log_every,
         save_steps=checkpoint_every, save_total_limit=1, completion_only_loss=True, max_length=cfg.max_len,
         packing=packing, train_sampling_strategy="group_by_length", use_cpu=cpu, bf16=False, fp16=False, report_to=[],
+        gradient_checkpointing=False,  # as the loop (TRL's default recomputes every forward in the backward)
         ddp_backend="gloo" if cpu and world > 1 else None, disable_tqdm=not progress, dataset_num_proc=None,
     )
     _check_identity(out / "checkpoint", {"config": asdict(cfg), "traces": len(traces),
@@ -94,13 +97,34 @@ def _trainer_class(base):
     from transformers import Trainer
 
     class MarkerSFTTrainer(base):
-        """``SFTTrainer`` whose loss is ``transformers.Trainer``'s: the model's forward, the mean
-        over labelled tokens of the whole batch (see the module docstring)."""
+        """``SFTTrainer`` whose loss is the loop's (``lora.forward_loss``): the model's forward through
+        the wrapped model (DDP's included), the output projection applied only where a label is kept,
+        the sum over the whole batch's labelled tokens divided by their count (see the module docstring)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.model_accepts_loss_kwargs = True  # compute_loss divides by the batch's labelled tokens itself
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            inputs["use_cache"] = False
-            return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            if return_outputs:  # evaluation wants the outputs: the plain forward, full logits
+                inputs["use_cache"] = False
+                return Trainer.compute_loss(self, model, inputs, return_outputs=True,
+                                            num_items_in_batch=num_items_in_batch)
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")[:, 1:]
+            keep = labels != IGNORE
+            head = self.accelerator.unwrap_model(model).get_output_embeddings()  # (peft passes it through)
+            # the head sees the positions that predict a kept label, not all of them
+            hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][keep], *args[1:]))
+            try:
+                logits = model(**inputs, use_cache=False).logits
+            finally:
+                hook.remove()
+            total = keep.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels[keep], reduction="sum") / total
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * self.accelerator.num_processes  # the Trainer averages the processes' losses
+            return loss
 
     return MarkerSFTTrainer
 
