@@ -17,10 +17,10 @@ gradient clip, seed), run by TRL and the transformers ``Trainer`` under it: seve
 * **The loss is the loop's**, computed here, not by TRL's fused LM head: that head reads
   ``lm_head.weight`` directly, which misses (and, on peft's wrapper, fails over) the trained rows of
   the new marker tokens. The forward runs through the wrapped model (DDP's hooks see it), and a
-  pre-hook on the output projection hands it only the positions that predict a kept label: a trace's
-  labelled tokens are a tenth of it, and full logits over the vocabulary made TRL take 3.3x the
-  loop's time per step on 1,536-token traces (1.64x on short ones). TRL's entropy and
-  token-accuracy metrics are not logged.
+  pre-hook on the output projection hands it only the positions that predict a kept label (a trace's
+  labelled tokens are a tenth of it). With full logits and TRL's default gradient checkpointing, a
+  step on 1,536-token traces took 3.3x the loop's (1.64x on short ones); without both, about the
+  loop's. TRL's entropy and token-accuracy metrics are not logged.
 """
 
 from __future__ import annotations
