@@ -1,7 +1,7 @@
 """A GRPO stage on a marker adapter, its rollouts through the engine (``rig_decode/train/grpo.py``).
 
     python scripts/grpo_markers.py --synth out/synth-s5 --out out/grpo-1 [--adapter auto] [--steps 100] \\
-        [--prompts 4] [--generations 4] [--lr 1e-5] [--temperature 1.0] [--max-iterations 3] [--min-hops 0]
+        [--prompts 4] [--generations 4] [--lr 1e-5] [--temperature 1.0] [--max-iterations 3] [--min-hops 0] [--max-hops N]
 
 Questions come from a ``rig synth`` folder's ``train.jsonl`` only (its test and dev splits, and
 every test world's documents, stay out: ``train.data.training_corpus``); the retriever is the
@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-hops", type=int, default=0,
                     help="only questions of at least this many hops (a group of rollouts that all answer right, or "
                          "all wrong, has no advantage: questions the adapter already gets right teach nothing)")
+    ap.add_argument("--max-hops", type=int, default=None,
+                    help="only questions of at most this many hops (more than --max-iterations: every rollout fails)")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.generations < 2 or args.temperature <= 0:
         ap.error("--prompts >= 1, --generations >= 2 (a group to compare) and --temperature > 0")
@@ -76,9 +78,10 @@ def main(argv=None) -> int:
     examples, corpus = load_dataset(train_file)
     if any(not str(e.id).startswith("train") for e in examples):
         ap.error(f"{train_file} holds questions of other splits: GRPO trains on training questions only")
-    examples = [e for e in examples if (e.hops or 0) >= args.min_hops]
+    most = float("inf") if args.max_hops is None else args.max_hops
+    examples = [e for e in examples if args.min_hops <= (e.hops or 0) <= most]
     if not examples:
-        ap.error(f"no question of {train_file} has {args.min_hops} hops or more")
+        ap.error(f"no question of {train_file} has {args.min_hops} to {most} hops")
     # fp32 and plain linears (the packed CPU GEMM is for inference: it has no backward)
     model_cfg = {"adapter": args.adapter, "max_tokens": args.max_tokens, "dtype": "float32", "cpu_gemm": "torch"}
     if args.model:
@@ -123,7 +126,9 @@ def main(argv=None) -> int:
     history = [h for h in trainer.state.log_history if "reward" in h]
     record = {"stage": "grpo", "adapter": str(args.adapter), "synth": args.synth, "questions": len(examples),
               "args": vars(args), "seconds": round(seconds),
-              "rewards": [round(h["reward"], 4) for h in history]}
+              "rewards": [round(h["reward"], 4) for h in history],
+              # groups whose rollouts all scored alike (no advantage: that step learned nothing from them)
+              "frac_reward_zero_std": [round(h.get("frac_reward_zero_std", 0.0), 4) for h in history]}
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out / "checkpoint", ignore_errors=True)
     print(json.dumps({"grpo": {"out": str(out), "steps": args.steps, "first_reward": record["rewards"][0] if history else None,

@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=defaults.steps)
     ap.add_argument("--batch-size", type=int, default=defaults.batch_size)
     ap.add_argument("--lr", type=float, default=defaults.lr)
+    ap.add_argument("--warmup", type=int, default=defaults.warmup, help="steps of the learning rate's linear ramp")
     ap.add_argument("--rank", type=int, default=defaults.rank)
     ap.add_argument("--top-layers", type=float, default=defaults.top_layers,
                     help="fraction of decoder layers (from the top) that get LoRA; below them nothing trains")
@@ -106,9 +107,10 @@ def main(argv=None) -> int:
         ap.error("the trace files mix marker variants or system prompts: train on one kind at a time")
     system_prompt = prompts.pop()
     try:
-        cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, rank=args.rank, seed=args.seed,
-                          top_layers=args.top_layers, max_len=args.max_len, answer_weight=args.answer_weight,
-                          special_markers=variant == "special", log_every=args.log_every)
+        cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, rank=args.rank,
+                          seed=args.seed, top_layers=args.top_layers, max_len=args.max_len,
+                          answer_weight=args.answer_weight, special_markers=variant == "special",
+                          log_every=args.log_every)
     except ValueError as e:
         ap.error(str(e))
     torch.manual_seed(cfg.seed)

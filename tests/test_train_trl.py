@@ -15,8 +15,9 @@ import torch
 pytest.importorskip("trl")
 
 from rig_decode.markers import MarkerSpec  # noqa: E402
-from rig_decode.train.lora import IGNORE, TrainConfig, add_marker_tokens, collate, forward_loss, wrap_lora  # noqa: E402
-from rig_decode.train.trl_sft import sft_trainer, train_trl  # noqa: E402
+from rig_decode.train.lora import (IGNORE, TrainConfig, add_marker_tokens, collate, forward_loss,  # noqa: E402
+                                   length_batches, train, wrap_lora)
+from rig_decode.train.trl_sft import LoopBatches, sft_trainer, train_trl  # noqa: E402
 
 from .helpers import ROOT, tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -63,6 +64,43 @@ def test_trl_labels_are_the_engines_mask_and_its_loss_is_the_loops(tmp_path):
     assert result.losses == [pytest.approx(expected, rel=1e-4)]
 
 
+def test_one_process_trains_as_the_loop_does_step_for_step(tmp_path):
+    """Unpacked, TRL draws the loop's batches in the loop's order and steps the loop's schedule: over
+    seven steps that cross two passes over the data (10 traces in batches of 4, 4 and 2), the loop's
+    losses step by step and its weights at the end."""
+    data = traces(tiny_tokenizer(), 10, seed=3)
+    cfg = TrainConfig(steps=7, batch_size=4, lr=3e-3, warmup=3, log_every=1, top_layers=1.0, seed=5)
+    tok = tiny_tokenizer()
+    loop_model = _model(tok)
+    loop = train(loop_model, data, tok.pad_token_id, cfg)
+    tok = tiny_tokenizer()
+    trainer = sft_trainer(_model(tok), tok, data, cfg, tmp_path, progress=False)
+    result = train_trl(trainer, cfg)
+    assert len(loop.losses) == 7 and len(set(loop.losses)) == 7
+    assert result.losses == pytest.approx(loop.losses, rel=1e-4)
+    trained = dict(trainer.model.named_parameters())
+    for n, p in loop_model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(trained[n], p, atol=1e-5), n
+
+
+def test_loop_batches_split_each_global_batch_over_the_processes():
+    """Process ``p`` of ``w`` takes every ``w``-th batch from the ``p``-th (accelerate's sharding): part
+    ``p`` of each global batch, the parts together the one-process batch; a last length group of fewer
+    traces than processes joins the one before."""
+    lengths = random.Random(0).sample(range(1, 50), 10)
+    data = [{"input_ids": [0] * n} for n in lengths]  # length groups of 4, 4 and 2
+    one = list(LoopBatches(data, 4, steps=7, seed=1))
+    two = list(LoopBatches(data, 4, steps=7, seed=1, world=2))
+    assert len(one) == 7 and len(two) == 14 and all(two)
+    assert [two[i] + two[i + 1] for i in range(0, 14, 2)] == one
+    first_pass = sorted(one[:3], key=lambda b: min(lengths[i] for i in b))
+    assert sorted(i for b in first_pass for i in b) == list(range(10))  # a pass draws every trace once
+    assert all(max(lengths[i] for i in a) <= min(lengths[i] for i in b) for a, b in zip(first_pass, first_pass[1:]))
+    assert sorted(map(len, length_batches(data[:9], 4))) == [1, 4, 4]
+    assert sorted(map(len, length_batches(data[:9], 4, min_rows=2))) == [4, 5]
+
+
 def _write(tmp_path):
     tok = tiny_tokenizer()
     tiny_model(len(tok)).save_pretrained(tmp_path / "model")
@@ -74,7 +112,7 @@ def _write(tmp_path):
 
 def _run(tmp_path, out: str, launcher: list[str]):
     args = ["--data", str(tmp_path / "traces.jsonl"), "--out", str(tmp_path / out), "--model", str(tmp_path / "model"),
-            "--steps", "3", "--batch-size", "8", "--log-every", "1", "--top-layers", "1.0", "--lr", "3e-3",
+            "--steps", "3", "--batch-size", "16", "--log-every", "1", "--top-layers", "1.0", "--lr", "3e-3", "--warmup", "1",
             "--trainer", "trl"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU, on any machine
     proc = subprocess.run([*launcher, str(ROOT / "scripts" / "train_markers.py"), *args], capture_output=True,
@@ -86,16 +124,16 @@ def _run(tmp_path, out: str, launcher: list[str]):
 
 
 def test_two_processes_train_as_one_on_the_same_global_batch(tmp_path):
-    """``accelerate launch --multi_gpu --num_processes 2`` (with no GPU: DDP on the CPU over gloo), 4
-    rows each: the same losses, step by step, as one process with batches of 8 (the gradient is the
-    whole batch's: tokens are counted across the processes)."""
+    """``accelerate launch --multi_gpu --num_processes 2`` (with no GPU: DDP on the CPU over gloo), 8
+    rows each: the same losses, step by step, as one process with batches of 16 (the gradient is the
+    whole batch's: tokens are counted across the processes), falling as the one batch is learned."""
     _write(tmp_path)
     one, single = _run(tmp_path, "one", [sys.executable])
     two, double = _run(tmp_path, "two", [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                                          "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                                          "--dynamo_backend", "no"])
-    assert single == [("1", "8")] and double == [("2", "4")] * 2
-    assert len(one) == 3 and one[-1] < one[0]
+    assert single == [("1", "16")] and double == [("2", "8")] * 2
+    assert len(one) == 3 and one[0] > one[1] > one[2]
     assert two == pytest.approx(one, rel=1e-4)
 
 

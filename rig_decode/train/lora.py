@@ -142,6 +142,13 @@ def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                              shift_labels.reshape(-1), ignore_index=IGNORE)
 
 
+def kept_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which positions predict a kept label (a mask over ``[:, :-1]``) and those labels, in order."""
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE
+    return keep, shifted[keep]
+
+
 def forward_loss(model, batch: dict[str, torch.Tensor], total: float | None = None) -> torch.Tensor:
     """``masked_loss`` of the model on ``batch`` (weighted by ``batch["weights"]`` where given),
     with the output projection applied only where a label is kept: a trace's labelled tokens are a
@@ -150,10 +157,9 @@ def forward_loss(model, batch: dict[str, torch.Tensor], total: float | None = No
     divided by it: the parts' losses add up to the whole batch's."""
     causal_lm = _causal_lm(model)
     hidden = causal_lm.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    labels = batch["labels"][:, 1:]
-    keep = labels != IGNORE
+    keep, targets = kept_targets(batch["labels"])
     logits = causal_lm.get_output_embeddings()(hidden[:, :-1][keep])
-    losses = torch.nn.functional.cross_entropy(logits.float(), labels[keep], reduction="none")
+    losses = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
     if "weights" in batch:
         losses = losses * batch["weights"][:, 1:][keep]
     return losses.sum() / (loss_weight(batch) if total is None else total)
@@ -234,6 +240,30 @@ def stop_backprop_below(model, cfg: TrainConfig):
     return layers[first].register_forward_pre_hook(detach, with_kwargs=True)
 
 
+def lr_factor(cfg: TrainConfig):
+    """The learning rate's factor at step ``s``: a linear warmup ramp times a cosine from step 0."""
+    return lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / max(1, cfg.steps))))
+
+
+def length_batches(traces: list[dict], batch_size: int, min_rows: int = 1) -> list[list[int]]:
+    """Trace indices in groups of ``batch_size`` neighbours in length (less padding); a last group
+    of fewer than ``min_rows`` traces joins the one before (under DDP every process needs a row)."""
+    order = sorted(range(len(traces)), key=lambda i: len(traces[i]["input_ids"]))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if len(batches) > 1 and len(batches[-1]) < min_rows:
+        batches[-2].extend(batches.pop())
+    return batches
+
+
+def next_batch(batches: list[list[int]], queue: list, rng: random.Random) -> list[int]:
+    """The next batch of the seeded order: every pass over the data a fresh permutation of
+    ``batches`` (drawn from ``rng`` into ``queue``), taken from its end."""
+    if not queue:
+        queue.extend(rng.sample(batches, len(batches)))
+    return queue.pop()
+
+
 def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=None,
           checkpoint: Path | None = None, checkpoint_every: int = 25,
           max_batch_tokens: int | None = None) -> TrainResult:
@@ -256,11 +286,8 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     params = [p for _, p in named]
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / max(1, cfg.steps)))))
-    order = sorted(range(len(traces)), key=lambda i: len(traces[i]["input_ids"]))
-    batches = [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
-    rng = random.Random(cfg.seed)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+    batches, rng = length_batches(traces, cfg.batch_size), random.Random(cfg.seed)
     result = TrainResult(trainable_params=sum(p.numel() for p in params))
     queue, running, start, before = [], [], 0, 0.0
     identity = {"config": asdict(cfg), "traces": len(traces), "first": traces[0]["input_ids"][:32]}
@@ -284,9 +311,7 @@ def train(model, traces: list[dict], pad_id: int, cfg: TrainConfig, progress=Non
     t0 = time.perf_counter()
     try:
         for step in range(start, cfg.steps):
-            if not queue:
-                queue = rng.sample(batches, len(batches))
-            picked = [traces[i] for i in queue.pop()]
+            picked = [traces[i] for i in next_batch(batches, queue, rng)]
             batch = {k: v.to(device) for k, v in collate(picked, pad_id, cfg.max_len, cfg.answer_weight).items()}
             opt.zero_grad(set_to_none=True)
             total, loss = loss_weight(batch), 0.0

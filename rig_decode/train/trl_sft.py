@@ -12,8 +12,12 @@ gradient clip, seed), run by TRL and the transformers ``Trainer`` under it: seve
 * **What stays by hand.** ``answer_weight`` != 1 (a per-token weight in the loss: TRL's loss has
   none) and ``max_batch_tokens`` (memory by micro-batches of one batch; on TRL use
   ``gradient_accumulation_steps`` instead) are refused here. The backprop stop below the LoRA layers
-  (``top_layers`` < 1) is the same hook. The schedule is the ``Trainer``'s cosine after a linear
-  warmup (``lora.train``: cosine from step 0, under the warmup ramp): close, not equal.
+  (``top_layers`` < 1) is the same hook.
+* **The loop's batches, in the loop's order, on the loop's schedule.** Unpacked, the trainer draws
+  ``lora.length_batches`` in ``lora.next_batch``'s seeded order (``LoopBatches``; each global batch
+  split over the processes) and steps the learning rate by ``lora.lr_factor``: one process trains
+  on what the loop trains on, step for step, so the two runs differ only by the two code paths'
+  rounding. Packed rows (``packing``) are the ``Trainer``'s own batches and cosine.
 * **The loss is the loop's**, computed here, not by TRL's fused LM head: that head reads
   ``lm_head.weight`` directly, which misses (and, on peft's wrapper, fails over) the trained rows of
   the new marker tokens. The forward runs through the wrapped model (DDP's hooks see it), and a
@@ -27,13 +31,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from .lora import IGNORE, TrainConfig, TrainResult, freeze_below, stop_backprop_below
+from .lora import (TrainConfig, TrainResult, freeze_below, kept_targets, length_batches, lr_factor, next_batch,
+                   stop_backprop_below)
 
 
 def traces_dataset(traces: list[dict]):
@@ -47,6 +53,29 @@ def traces_dataset(traces: list[dict]):
 def world_size() -> int:
     """Processes of this run (``accelerate launch`` / ``torchrun`` set ``WORLD_SIZE``)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class LoopBatches:
+    """A batch sampler of the loop's batches (``lora.length_batches`` in ``lora.next_batch``'s order
+    from ``seed``), ``steps`` of them, each split into ``world`` consecutive parts: under DDP
+    process ``p`` takes every ``world``-th batch from the ``p``-th (accelerate's sharding), which is
+    part ``p`` of each global batch."""
+
+    def __init__(self, traces: list[dict], batch_size: int, steps: int, seed: int, world: int = 1):
+        self.batches = length_batches(traces, batch_size, min_rows=world)
+        self.steps, self.seed, self.world = steps, seed, world
+
+    def __iter__(self):
+        rng, queue = random.Random(self.seed), []
+        for _ in range(self.steps):
+            batch = next_batch(self.batches, queue, rng)
+            size, extra = divmod(len(batch), self.world)
+            for p in range(self.world):
+                start = p * size + min(p, extra)
+                yield batch[start : start + size + (p < extra)]
+
+    def __len__(self) -> int:
+        return self.steps * self.world
 
 
 def sft_trainer(model, tokenizer, traces: list[dict], cfg: TrainConfig, out: Path, *, checkpoint_every: int = 25,
@@ -77,8 +106,12 @@ def sft_trainer(model, tokenizer, traces: list[dict], cfg: TrainConfig, out: Pat
     pad = tokenizer.pad_token if tokenizer.pad_token is not None else tokenizer.eos_token
     if tokenizer.pad_token is None:
         tokenizer.pad_token = pad
-    return _trainer_class(SFTTrainer)(model=model, args=args, train_dataset=traces_dataset(traces),
-                                      processing_class=tokenizer)
+    trainer = _trainer_class(SFTTrainer)(model=model, args=args, train_dataset=traces_dataset(traces),
+                                         processing_class=tokenizer)
+    if not packing:  # the loop's batches and schedule (see the module docstring)
+        trainer.loop_batches = LoopBatches(traces, cfg.batch_size, cfg.steps, cfg.seed, world)
+        trainer.loop_schedule = lr_factor(cfg)
+    return trainer
 
 
 def _check_identity(folder: Path, identity: dict) -> None:
@@ -101,9 +134,28 @@ def _trainer_class(base):
         the wrapped model (DDP's included), the output projection applied only where a label is kept,
         the sum over the whole batch's labelled tokens divided by their count (see the module docstring)."""
 
+        loop_batches: LoopBatches | None = None  # set by sft_trainer unless packed
+        loop_schedule = None
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.model_accepts_loss_kwargs = True  # compute_loss divides by the batch's labelled tokens itself
+
+        def get_train_dataloader(self):
+            if self.loop_batches is None:
+                return super().get_train_dataloader()
+            from torch.utils.data import DataLoader
+
+            data = self._remove_unused_columns(self.train_dataset, description="training")
+            loader = DataLoader(data, batch_sampler=self.loop_batches, collate_fn=self.data_collator,
+                                num_workers=self.args.dataloader_num_workers)
+            return self.accelerator.prepare(loader)
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.loop_schedule is None or self.lr_scheduler is not None:
+                return super().create_scheduler(num_training_steps, optimizer)
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, self.loop_schedule)
+            return self.lr_scheduler
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if return_outputs:  # evaluation wants the outputs: the plain forward, full logits
@@ -111,8 +163,7 @@ def _trainer_class(base):
                 return Trainer.compute_loss(self, model, inputs, return_outputs=True,
                                             num_items_in_batch=num_items_in_batch)
             inputs = dict(inputs)
-            labels = inputs.pop("labels")[:, 1:]
-            keep = labels != IGNORE
+            keep, targets = kept_targets(inputs.pop("labels"))
             head = self.accelerator.unwrap_model(model).get_output_embeddings()  # (peft passes it through)
             # the head sees the positions that predict a kept label, not all of them
             hook = head.register_forward_pre_hook(lambda _, args: (args[0][:, :-1][keep], *args[1:]))
@@ -121,7 +172,7 @@ def _trainer_class(base):
             finally:
                 hook.remove()
             total = keep.sum() if num_items_in_batch is None else num_items_in_batch
-            loss = torch.nn.functional.cross_entropy(logits.float(), labels[keep], reduction="sum") / total
+            loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / total
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 loss = loss * self.accelerator.num_processes  # the Trainer averages the processes' losses
             return loss
