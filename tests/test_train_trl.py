@@ -105,14 +105,16 @@ def _write(tmp_path):
     tok = tiny_tokenizer()
     tiny_model(len(tok)).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
+    data = traces(tok, 16, seed=1)
     with (tmp_path / "traces.jsonl").open("w") as f:
-        for t in traces(tok, 16, seed=1):
+        for t in data:
             f.write(json.dumps(t) + "\n")
+    return data
 
 
 def _run(tmp_path, out: str, launcher: list[str]):
     args = ["--data", str(tmp_path / "traces.jsonl"), "--out", str(tmp_path / out), "--model", str(tmp_path / "model"),
-            "--steps", "3", "--batch-size", "16", "--log-every", "1", "--top-layers", "1.0", "--lr", "3e-3", "--warmup", "1",
+            "--steps", "4", "--batch-size", "8", "--log-every", "1", "--top-layers", "1.0", "--lr", "3e-3", "--warmup", "1",
             "--trainer", "trl"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU, on any machine
     proc = subprocess.run([*launcher, str(ROOT / "scripts" / "train_markers.py"), *args], capture_output=True,
@@ -124,17 +126,22 @@ def _run(tmp_path, out: str, launcher: list[str]):
 
 
 def test_two_processes_train_as_one_on_the_same_global_batch(tmp_path):
-    """``accelerate launch --multi_gpu --num_processes 2`` (with no GPU: DDP on the CPU over gloo), 8
-    rows each: the same losses, step by step, as one process with batches of 16 (the gradient is the
-    whole batch's: tokens are counted across the processes), falling as the one batch is learned."""
-    _write(tmp_path)
+    """``accelerate launch --multi_gpu --num_processes 2`` (with no GPU: DDP on the CPU over gloo), 4
+    rows each: the same losses, step by step, as one process with batches of 8 (the gradient is the
+    whole batch's: tokens are counted across the processes), over two passes of the two batches; a
+    batch's loss falls from its first step to its second."""
+    data = _write(tmp_path)
     one, single = _run(tmp_path, "one", [sys.executable])
     two, double = _run(tmp_path, "two", [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                                          "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                                          "--dynamo_backend", "no"])
-    assert single == [("1", "16")] and double == [("2", "8")] * 2
-    assert len(one) == 3 and one[0] > one[1] > one[2]
+    assert single == [("1", "8")] and double == [("2", "4")] * 2
     assert two == pytest.approx(one, rel=1e-4)
+    order = list(LoopBatches(data, 8, steps=4, seed=0))  # the script's seed: 0
+    assert len(one) == 4 and sorted(map(sorted, order)) == sorted(map(sorted, order[:2] * 2))
+    for step, batch in enumerate(order[:2]):
+        again = next(k for k in range(2, 4) if order[k] == batch)
+        assert one[again] < one[step]
 
 
 def test_a_stopped_run_continues_from_its_checkpoint_to_the_same_result(tmp_path):
