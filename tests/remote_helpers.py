@@ -20,7 +20,8 @@ import torch
 class FakeLlamaServer:
     def __init__(self, model, eos_id: int, n_ctx: int = 2048, slots: int = 4, drop_connections: int = 0,
                  slot_actions: bool = True, garbage: int = 0, token_delay_s: float = 0.0, bad_ids: int = 0,
-                 token_text=None, honour_bans: bool = True, drop_slot: int | None = None):
+                 token_text=None, honour_bans: bool = True, drop_slot: int | None = None,
+                 slow_slots: dict[int, float] | None = None):
         self.model, self.eos_id, self.n_ctx = model, eos_id, n_ctx
         self.drop_connections, self.drop_slot = drop_connections, drop_slot
         """The first this many completion requests (for slot ``drop_slot``: None, any) are dropped:
@@ -33,6 +34,8 @@ class FakeLlamaServer:
         self.token_text = token_text
         """id -> text: a request's ``stop`` texts end its completion (without it they are ignored)."""
         self.honour_bans = honour_bans
+        self.slow_slots = slow_slots or {}
+        """slot -> seconds every request on it waits before its first token (a long prefill)."""
         """False: ``logit_bias`` is taken and ignored (a bias too weak to ban)."""
         self.slot_actions = slot_actions
         """Whether ``POST /slots/N?action=erase`` works (llama-server started with ``--slot-save-path``)."""
@@ -81,11 +84,13 @@ class FakeLlamaServer:
                     best = min(range(len(self.slots)), key=lambda i: self.used[i])
             self.used[best] = max(self.used) + 1
             cache_n = min(lcps[best], len(prompt) - 1)  # a fully cached prompt re-evaluates its last token
-            self.requests.append({"prompt_len": len(prompt), "n_predict": body.get("n_predict"), "slot": best,
+            self.requests.append({"at": time.perf_counter(), "prompt_len": len(prompt),
+                                  "n_predict": body.get("n_predict"), "slot": best,
                                   "stream": bool(body.get("stream")), "stop": body.get("stop"),
                                   "n_probs": body.get("n_probs", 0), "banned": banned})
             self.slots[best] = ids = list(prompt)
         timings = {"cache_n": cache_n, "prompt_n": len(prompt) - cache_n}
+        time.sleep(self.slow_slots.get(best, 0.0))
         text = ""
         for _ in range(min(body.get("n_predict", 16), self.n_ctx - len(prompt))):
             with self.lock, torch.no_grad():

@@ -254,3 +254,51 @@ def test_the_server_applies_the_bans_and_picks_the_in_process_tokens(tok_special
     assert any(start in r["banned"] for r in unscored)
     assert any(start not in r["banned"] for r in unscored) == (hops > 0)
     assert all(r["n_probs"] == 20 for r in server.requests if r not in unscored)
+
+
+def test_a_partial_step_answers_the_rows_whose_tokens_came(model, tok):
+    """A row whose first token is slow (a long prefill) holds up no other row: a partial step answers
+    the rows whose predictions have come, and the slow row, fed the same tokens again at the next
+    step, is not sent again; it is answered once its token comes, with the server's greedy token."""
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    with FakeLlamaServer(model, tok.eos_token_id, slow_slots={0: 1.0}) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok))
+        feeds = runner.add_rows(prompts)
+        logits = runner.step(feeds, partial=True, max_wait_s=5)
+        assert runner.take_answered() == [1]
+        for _ in range(3):
+            logits = runner.step([prompts[0], [int(logits[1].argmax())]], partial=True, max_wait_s=5)
+            assert runner.take_answered() == [1]
+        assert len(server.requests) == 2  # one stream per row, the slow one not asked twice
+        with pytest.raises(ValueError, match="waits for its prediction"):
+            runner.step([prompts[0][:-1], []], partial=True)
+        t0 = time.perf_counter()
+        assert runner.step([prompts[0], []], partial=True, max_wait_s=0.05) is not None
+        assert runner.take_answered() == [] and time.perf_counter() - t0 < 0.5  # nothing yet: back soon
+        logits = runner.step([prompts[0], []], partial=True, max_wait_s=5)
+        assert runner.take_answered() == [0]
+        with torch.no_grad():
+            expected = int(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1].argmax())
+        assert int(logits[0].argmax()) == expected
+        runner.close()
+
+
+def test_a_slow_row_holds_up_neither_the_others_tokens_nor_their_searches(tok_special, monkeypatch):
+    """In the engine: while one row's first token is slow to come, the other decodes, parks for its
+    search, and its evidence goes up as soon as the search returns (the result wakes the waiting
+    step); it finishes before the slow row's first token, and both rows are the in-process tokens."""
+    from rig_decode.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PARTIAL_WAIT_S", 30.0)  # only a token or a search result ends a wait
+    model = tiny_model(len(tok_special))
+    vocab = MarkerVocab(tok_special, MarkerSpec.special_token())
+    script = {1: {3: vocab.marker_token_ids("who approved it")}}
+    local = _generate(_engine(model, tok_special, script, max_new_tokens=30), tok_special, PROMPTS[:2])
+    with FakeLlamaServer(model, tok_special.eos_token_id, slow_slots={0: 2.0}) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok_special), timeout_s=10)
+        engine = _engine(model, tok_special, script, runner=runner, max_new_tokens=30)
+        engine.retriever.delay_s = 0.2
+        slow, fast = _generate(engine, tok_special, PROMPTS[:2])
+    assert [slow.token_ids, fast.token_ids] == [local[0].token_ids, local[1].token_ids]
+    assert fast.trace.num_hops == 1 and fast.trace.total_ms < 1500 < slow.trace.ttft_ms, \
+        (fast.trace.total_ms, slow.trace.ttft_ms)

@@ -62,6 +62,11 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 
 
+PARTIAL_WAIT_S = 0.25
+"""The longest a partial step waits for a model server's tokens before the engine looks again at
+its other work (a search past its timeout; results and new requests wake it at once)."""
+
+
 class RigEngine:
     def __init__(self, model, tokenizer, retriever: Retriever | None, options: EngineOptions = EngineOptions(),
                  extra_processors=(), vocab: MarkerVocab | None = None, runner=None, eos_ids=None):
@@ -104,6 +109,8 @@ class RigEngine:
             self.processors.append(CitationProcessor(self.vocab))
         self.worker = RetrievalWorker(retriever, options.top_k, options.retrieval_retries,
                                       options.retrieval_timeout_s, options.max_hung_searches)
+        if hasattr(self.runner, "wake"):  # a search's result ends a partial step's wait for tokens
+            self.worker.on_result = self.runner.wake
         self.scheduler = Scheduler(self.runner, options)
         self.sampler = Sampler(self.processors, options)
         self.hops = HopHandler(self.worker, EvidenceFormatter(tokenizer, options.evidence_token_budget), self.runner,
@@ -176,10 +183,19 @@ class RigEngine:
         names it (``cancel``, scripted processors, sampling seeds): no other unfinished sequence of
         this engine may have it."""
         self.scheduler.add(seq)
+        self._wake()
 
     def cancel(self, seq_id: int) -> bool:
         """Ask for a sequence to stop; it leaves the batch, and frees its cache, at the next step."""
-        return self.scheduler.cancel(seq_id)
+        found = self.scheduler.cancel(seq_id)
+        self._wake()
+        return found
+
+    def _wake(self) -> None:
+        """A step waiting for a model server's tokens looks at the queue now."""
+        wake = getattr(self.runner, "wake", None)
+        if wake is not None:
+            wake()
 
     @property
     def has_unfinished(self) -> bool:
@@ -237,15 +253,23 @@ class RigEngine:
             if batch:  # every row is parked: wait for the worker instead of spinning
                 self.worker.wait(0.05)
             return
-        rows = [batch[i] for i in ready]
         staged = self.hops.assemble_staged({i: batch[i] for i in ready})  # its time goes to the splicing rows
         t0 = time.perf_counter()
-        spliced = [s.has_evidence_pending for s in rows]
-        logits = self._run(ready, staged)
+        spliced = {i: batch[i].has_evidence_pending for i in ready}
+        for i in ready:
+            if batch[i].fed_at is None:
+                batch[i].fed_at = t0
+        logits, ready = self._run(ready, staged)
+        if not ready:  # a model server's rows, none of whose tokens has come yet
+            return
+        rows = [batch[i] for i in ready]
+        started = [s.fed_at for s in rows]
+        for s in rows:
+            s.fed_at = None
         picked = self.runner.take_picks() if hasattr(self.runner, "take_picks") else None
         sampled = self.sampler.sample(rows, logits, ready, time.perf_counter(), picked)
-        parked = postprocess(rows, sampled, spliced, t0, self.stop_ids, self.runner.context_limit,
-                             getattr(self.runner, "row_info", None), ready)
+        parked = postprocess(rows, sampled, [spliced[i] for i in ready], started, self.stop_ids,
+                             self.runner.context_limit, getattr(self.runner, "row_info", None), ready)
         now = time.perf_counter()
         if parked and hasattr(self.runner, "pause"):  # a remote row's stream stops while it searches
             gone = {id(s) for s in parked}
@@ -271,25 +295,34 @@ class RigEngine:
         for s in self.scheduler.expire(now):
             self.hops.time_out(self.scheduler.running, s, now)
 
-    def _run(self, ready: list[int], staged: dict[int, tuple]) -> torch.Tensor:
-        """One forward over the ready rows' pending tokens (the runner writes their KV)."""
+    def _run(self, ready: list[int], staged: dict[int, tuple]) -> tuple[torch.Tensor, list[int]]:
+        """One forward over the ready rows' pending tokens (the runner writes their KV): the logits,
+        and the rows they are for. Those are all of ``ready``, except on a runner that answers rows
+        as their tokens come (``partial_steps``: a model server): there a row whose token has not
+        come yet (its evidence being prefilled) keeps its pending tokens, which the runner already
+        has, and is asked again at the next step, while the others go on."""
         batch, fed = self.scheduler.running, set(ready)
         feed = [s.pending if i in fed else [] for i, s in enumerate(batch)]
+        answered = ready
         if staged:
             reselect = {i: batch[i].staged.reselect for i in staged}
             logits = self.runner.step(feed, staged=staged, reselect=reselect)
-        elif getattr(self.runner, "pushes_bans", False):  # a server that applies the rules it can
-            bans = [self.sampler.fixed_bans(s) if i in fed else None for i, s in enumerate(batch)]
-            logits = self.runner.step(feed, bans=bans)
         else:
-            logits = self.runner.step(feed)
+            kw = {}
+            if getattr(self.runner, "pushes_bans", False):  # a server that applies the rules it can
+                kw["bans"] = [self.sampler.fixed_bans(s) if i in fed else None for i, s in enumerate(batch)]
+            if getattr(self.runner, "partial_steps", False):
+                kw.update(partial=True, max_wait_s=PARTIAL_WAIT_S)
+            logits = self.runner.step(feed, **kw)
+            if kw.get("partial"):
+                answered = self.runner.take_answered()
         take_errors = getattr(self.runner, "take_row_errors", None)  # a remote row whose request failed
         for i, error in (take_errors() if take_errors else {}).items():
             batch[i].fail("asking the model server", error, time.perf_counter())
-        for i in ready:
+        for i in answered:
             batch[i].pending.clear()
             batch[i].staged = None
-        return logits
+        return logits, answered
 
     def close(self) -> None:
         self.worker.close()

@@ -14,19 +14,19 @@ from .sequence import Sequence, SequenceStatus
 RUNNING, RETRIEVING = SequenceStatus.RUNNING, SequenceStatus.RETRIEVING
 
 
-def postprocess(rows: list[Sequence], sampled: Sampled, spliced: list[bool], t0: float, stop_ids: list[int],
-                context_limit: int, row_info=None, runner_rows: list[int] = ()) -> list[Sequence]:
-    """Each row's token. ``row_info(runner_rows[j])``: what a remote server did for ``rows[j]``'s
+def postprocess(rows: list[Sequence], sampled: Sampled, spliced: list[bool], started: list[float],
+                stop_ids: list[int], context_limit: int, row_info=None, runner_rows: list[int] = ()) -> list[Sequence]:
+    """Each row's token. ``started[j]``: when ``rows[j]``'s tokens went to the runner (its step's
+    time runs from there); ``row_info(runner_rows[j])``: what a remote server did for ``rows[j]``'s
     step, where the runner says. A failure in one row's bookkeeping fails that row alone. Returns
     the rows that parked (``parked_at``: when their marker completed)."""
     done = time.perf_counter()
-    dt_ms = (done - t0) * 1e3
     parked = []
     for j, (s, tok, forced, was_spliced) in enumerate(zip(rows, sampled.tokens, sampled.forced, spliced)):
         if s.is_finished:  # its processors failed
             continue
         try:
-            _account_time(s, was_spliced, dt_ms, done, row_info(runner_rows[j]) if row_info is not None else None)
+            _account_time(s, was_spliced, (done - started[j]) * 1e3, done, row_info(runner_rows[j]) if row_info is not None else None)
             _take_token(s, tok, forced, stop_ids, context_limit)
         except Exception as e:  # noqa: BLE001
             s.fail("postprocessing its token", e, done)

@@ -26,6 +26,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..retrieval.base import Hit, HitList, Retriever
 from ..retrieval.validate import check_results
@@ -85,6 +86,9 @@ class RetrievalWorker:
         """Calls abandoned past ``timeout_s`` (since start)."""
         self.num_restarts = 0
         """Lanes that died and were replaced."""
+        self.on_result: Callable[[], None] | None = None
+        """Called whenever results are ready (from the search thread, too): the engine's runner
+        stops waiting for tokens to serve them."""
 
     # -- the engine's side --------------------------------------------------------------------------
 
@@ -175,7 +179,12 @@ class RetrievalWorker:
 
     def _fail(self, batch: list[Job], error: str, seconds: float) -> None:
         self._done += [job.failed(error, seconds * 1e3, len(batch)) for job in batch]
+        self._results_ready()
+
+    def _results_ready(self) -> None:
         self._cond.notify_all()
+        if self.on_result is not None:
+            self.on_result()
 
     # -- the lane -----------------------------------------------------------------------------------
 
@@ -205,7 +214,7 @@ class RetrievalWorker:
                     return
                 self._done += results
                 me.batch = None
-                self._cond.notify_all()
+                self._results_ready()
 
     def _search(self, me: _Lane, batch: list[Job]) -> list[RetrievalResult]:
         """One search for the batch (queries with the same filters), at its largest ``top_k``; each

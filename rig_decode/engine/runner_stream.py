@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,6 +48,9 @@ from .servers import Prediction, RemoteError, make_server
 
 END = object()
 """What a stream's queue holds after its last prediction."""
+
+PENDING = object()
+"""What a stream gives, asked without waiting, while its next prediction has not come."""
 
 STREAM_TOKENS = 1024
 """The most tokens one request asks for (bounded by the context too)."""
@@ -59,12 +63,46 @@ a forced token wastes at most this many decoded tokens, not everything up to the
 next to none: the stream closes at the end delimiter, ``stop_after``)."""
 
 
-class _Stream:
-    """One streamed completion: a thread reads the server's predictions into a queue."""
+class Inbox:
+    """A stream's predictions as a reader thread puts them and the engine takes them, in order; after
+    the last, ``END`` (an error, then ``END``, where the stream failed). ``notify`` is called after
+    every put (the runner's wake-up for a partial step)."""
 
-    def __init__(self, request, stop_after: frozenset[int] = frozenset()):
-        """``request(cancelled=, opened=)``: the server's ``stream_completion`` with its arguments."""
+    who = "the server"
+    error = RemoteError
+
+    def __init__(self, notify=None):
         self.predictions: queue.Queue = queue.Queue()
+        self.notify = notify
+
+    def put(self, item) -> None:
+        self.predictions.put(item)
+        if self.notify is not None:
+            self.notify()
+
+    def next(self, timeout: float | None = None, block: bool = True):
+        """The next prediction (None: the stream ended; ``PENDING``: none yet, where ``block`` is
+        False); the stream's error, raised."""
+        try:
+            item = self.predictions.get(block=block, timeout=timeout)
+        except queue.Empty:
+            if not block:
+                return PENDING
+            raise self.error(f"{self.who} sent no token for {timeout:g}s") from None
+        if item is END:
+            self.predictions.put(END)  # stays ended
+            return None
+        if isinstance(item, BaseException):
+            raise item if isinstance(item, self.error) else self.error(f"{type(item).__name__}: {item}")
+        return item
+
+
+class _Stream(Inbox):
+    """One streamed completion: a thread reads the server's predictions into the inbox."""
+
+    def __init__(self, request, stop_after: frozenset[int] = frozenset(), notify=None):
+        """``request(cancelled=, opened=)``: the server's ``stream_completion`` with its arguments."""
+        super().__init__(notify)
         self.info: dict | None = None
         """The server's accounting of the prompt (tokens from its cache, tokens evaluated)."""
         self.closed = False
@@ -79,33 +117,20 @@ class _Stream:
                 if info is not None and self.info is None:
                     self.info = info
                 for p in preds:
-                    self.predictions.put(p)
+                    self.put(p)
                     if p.token in stop_after:  # an end delimiter: the row parks for its search next
                         self.closed = True
                 if self.closed or self.predictions.qsize() >= RUN_AHEAD:  # (or far enough ahead of the engine)
                     self.closed = True
                     break
         except BaseException as e:  # noqa: BLE001 - the engine's thread raises it for this row
-            self.predictions.put(e)
-        self.predictions.put(END)
+            self.put(e)
+        self.put(END)
 
     def _opened(self, response) -> None:
         self.response = response
         if self.closed:  # closed before the server answered
             self.close()
-
-    def next(self, timeout: float) -> Prediction | None:
-        """The next prediction (None: the stream ended)."""
-        try:
-            item = self.predictions.get(timeout=timeout)
-        except queue.Empty:
-            raise RemoteError(f"the server sent no token for {timeout:g}s") from None
-        if item is END:
-            self.predictions.put(END)  # stays ended
-            return None
-        if isinstance(item, BaseException):
-            raise item if isinstance(item, RemoteError) else RemoteError(f"{type(item).__name__}: {item}")
-        return item
 
     def close(self) -> None:
         """Stop reading and close the connection now (the reader wakes with an error it ignores)."""
@@ -129,6 +154,12 @@ class StreamRow:
     bans: frozenset[int] | None = None
     """The rules the row's stream runs under, as bans the server applies (it sends no scores); None:
     the stream sends each position's top log-probabilities and the engine applies the rules."""
+    awaiting: list[int] | None = None
+    """The feed whose prediction the engine has not had yet (a partial step left the row waiting)."""
+    asked_at: float = 0.0
+    """When the engine began waiting for the row's prediction (due within the timeout)."""
+    ended: int = 0
+    """Streams of the row that ended without a prediction since its last one."""
 
 
 class StreamingRunner(RemoteRunner):
@@ -136,6 +167,8 @@ class StreamingRunner(RemoteRunner):
 
     pushes_bans = True
     """``step`` takes each row's bans (``Sampler.fixed_bans``) for the server to apply."""
+    partial_steps = True
+    """``step(partial=True)`` answers the rows whose tokens have come, without waiting for the rest."""
 
     def __init__(self, server, vocab_size: int, *, top_logprobs: int = 20, context_limit: int | None = None,
                  timeout_s: float = 120.0):
@@ -164,6 +197,10 @@ class StreamingRunner(RemoteRunner):
         rules inside a query need them), the server itself where an added token spells the start
         delimiter (``opens_query_text``)."""
         self.opens_query_text: tuple[str, ...] = ()
+        self.answered: list[int] = []
+        self.arrived = threading.Event()
+        """Set whenever a stream has something for the engine (a partial step waits on it)."""
+        self._woken = False
 
     def stop_at(self, vocab, stop_ids: list[int]) -> None:
         """Set where streams stop from the engine's markers (a ``MarkerVocab``) and stop ids."""
@@ -197,42 +234,94 @@ class StreamingRunner(RemoteRunner):
                 self.free_slots.append(row.slot)
         self.free_slots.sort()
 
-    def step(self, feeds: list[list[int]], bans: list[frozenset[int] | None] | None = None) -> torch.Tensor:
+    def step(self, feeds: list[list[int]], bans: list[frozenset[int] | None] | None = None, *,
+             partial: bool = False, max_wait_s: float | None = None) -> torch.Tensor:
         """Append each row's tokens; log-probability rows for what comes next (zeros for rows that
         fed nothing). ``bans``: each row's rules at its next position as bans, where that is all
         they are (None: the engine needs the scores). A row whose stream predicted its token under
         the same rules reads the next prediction; the others start a new stream (all before any is
-        waited for)."""
+        waited for).
+
+        ``partial``: answer the rows whose predictions have come, as soon as one has (waiting at
+        most ``max_wait_s``, or until ``wake``); ``take_answered`` says which. A row that is still
+        waiting (its evidence being prefilled, say) does not hold up the others: the engine feeds
+        it the same tokens again at its next step, which asks for the prediction again."""
         assert len(feeds) == len(self.rows), "rows must match the batch"
-        if not any(feeds):
-            raise ValueError("no row has anything to feed")
-        fed = [i for i, feed in enumerate(feeds) if feed]
-        for i in fed:
-            row, feed, want = self.rows[i], feeds[i], bans[i] if bans is not None else None
+        for i, feed in enumerate(feeds):
+            row = self.rows[i]
+            if not feed:
+                continue
+            if row.awaiting is not None:  # fed again while its prediction is on the way
+                if feed != row.awaiting:
+                    raise ValueError(f"row {i} was fed {feed} while its feed {row.awaiting} waits for its prediction")
+                continue
+            want = bans[i] if bans is not None else None
             follows = (row.stream is not None and row.next is not None and feed == [row.next.token]
                        and row.bans == want)
             row.tokens += feed
             if not follows:
                 row.bans = want
                 self._open(row)
-        logits, self.picks = self._new_logits(feeds), {}
-        for i in fed:
-            row = self.rows[i]
-            try:
-                row.next = self._next(row)
-                if row.bans and row.next.token in row.bans:  # a ban the server did not hold to (a bias
-                    row.bans = None                          # too weak): this position from the scores
-                    self._open(row)
-                    row.next = self._next(row)
-                self._write_scores(logits[i], row.next.top)
-                if row.bans is not None:
-                    self.picks[i] = row.next.token
-            except RemoteError as e:  # this row's request failed: the others go on
-                self.row_errors[i] = str(e)
-                logits[i].numpy().fill(0.0)
-                row.stream.close()
-                row.stream = row.next = None
+            row.awaiting, row.asked_at = list(feed), time.perf_counter()
+        waiting = [i for i, row in enumerate(self.rows) if row.awaiting is not None]
+        if not waiting:
+            raise ValueError("no row has anything to feed")
+        logits, self.picks = self._new_logits([row.awaiting or [] for row in self.rows]), {}
+        if partial:
+            self.answered = self._gather(waiting, logits, max_wait_s)
+        else:
+            for i in waiting:
+                self._answer(i, logits, wait=True)
+            self.answered = waiting
         return logits
+
+    def take_answered(self) -> list[int]:
+        """The rows the last step wrote logits for (a partial step's: those whose predictions had come)."""
+        answered, self.answered = self.answered, []
+        return answered
+
+    def wake(self) -> None:
+        """End a partial step's wait now: the engine has other work (a search came back, a request
+        arrived). Thread-safe."""
+        self._woken = True
+        self.arrived.set()
+
+    def _gather(self, waiting: list[int], logits: torch.Tensor, max_wait_s: float | None) -> list[int]:
+        """Answer each waiting row whose prediction has come; wait for the first while none has."""
+        until = None if max_wait_s is None else time.perf_counter() + max_wait_s
+        while True:
+            self.arrived.clear()
+            answered = [i for i in waiting if self._answer(i, logits, wait=False)]
+            now = time.perf_counter()
+            if answered or self._woken or (until is not None and now >= until):
+                self._woken = False
+                return answered
+            due = min(self.rows[i].asked_at for i in waiting) + self.timeout_s  # a row's own timeout
+            self.arrived.wait(max(0.0, min(due, until if until is not None else due) - now) + 1e-3)
+
+    def _answer(self, i: int, logits: torch.Tensor, wait: bool) -> bool:
+        """Row ``i``'s prediction into ``logits[i]``: True once it is there (or the row failed: its
+        logits zeros, ``row_errors``); False while it has not come (``wait`` False)."""
+        row = self.rows[i]
+        try:
+            prediction = self._next(row, wait)
+            if prediction is not None and row.bans and prediction.token in row.bans:
+                row.bans = None  # a ban the server did not hold to (a bias too weak): this position from the scores
+                self._open(row)
+                prediction = self._next(row, wait)
+            if prediction is None:
+                return False
+            self._write_scores(logits[i], prediction.top)
+            if row.bans is not None:
+                self.picks[i] = prediction.token
+        except RemoteError as e:  # this row's request failed: the others go on
+            self.row_errors[i] = str(e)
+            logits[i].numpy().fill(0.0)
+            if row.stream is not None:
+                row.stream.close()
+            row.stream = row.next = None
+        row.awaiting = None
+        return True
 
     def pause(self, rows: list[int]) -> None:
         """These rows wait (for their search): their streams close, the next step opens new ones."""
@@ -260,23 +349,34 @@ class StreamingRunner(RemoteRunner):
         request = partial(self.server.stream_completion, list(row.tokens), self._predict_n(row.tokens),
                           0 if unscored else self.top_logprobs, row.slot, banned=sorted(row.bans or ()),
                           stop=self.stop_text + self.opens_query_text if unscored else self.stop_text)
-        row.stream = _Stream(request, self.stop_after | self.opens_query if unscored else self.stop_after)
-        row.next = None
+        row.stream = _Stream(request, self.stop_after | self.opens_query if unscored else self.stop_after,
+                             self.arrived.set)
+        self._opened(row)
+
+    def _opened(self, row: StreamRow) -> None:
+        row.next, row.asked_at = None, time.perf_counter()
         self.calls += 1
 
-    def _next(self, row: StreamRow) -> Prediction:
-        """The row's next prediction; a stream that ended (its ``max_tokens`` spent, or closed after
-        a stop token the engine did not take) is followed by a new one."""
-        for attempt in range(2):
+    def _next(self, row: StreamRow, wait: bool = True) -> Prediction | None:
+        """The row's next prediction (None: not come yet, where ``wait`` is False; ``wait``: up to
+        the timeout). A stream that ended (its ``max_tokens`` spent, or closed after a stop token the
+        engine did not take) is followed by a new one, once."""
+        while True:
             fresh = row.next is None
-            prediction = row.stream.next(self.timeout_s)
+            prediction = row.stream.next(self.timeout_s) if wait else row.stream.next(block=False)
+            if prediction is PENDING:
+                if time.perf_counter() - row.asked_at > self.timeout_s:
+                    raise RemoteError(f"the server sent no token for {self.timeout_s:g}s")
+                return None
             if prediction is not None:
                 if fresh and row.stream.info is not None:
                     row.info = dict(row.stream.info)
+                row.next, row.ended = prediction, 0
                 return prediction
-            if attempt == 0:
-                self._open(row)
-        raise RemoteError("the server ended a stream without a token (context full on the server side?)")
+            row.ended += 1
+            if row.ended > 1:
+                raise RemoteError("the server ended a stream without a token (context full on the server side?)")
+            self._open(row)
 
     def close(self) -> None:
         self._release(self.rows)

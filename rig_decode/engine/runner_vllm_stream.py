@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 from dataclasses import dataclass
 
-from .runner_stream import END, StreamingRunner, StreamRow
+from .runner_stream import END, Inbox, StreamingRunner, StreamRow
 from .vllm_host import IDS_ONLY, NoServer, VllmError, VllmHost, predictions, rule_args
 
 _ids = itertools.count()
@@ -39,13 +38,16 @@ TOKEN_TIMEOUT_S = 600.0
 prefill or preemption, short of never (a request vLLM lost must not hold the engine's step)."""
 
 
-class _Chunk:
+class _Chunk(Inbox):
     """One chunk's outputs, as the engine reads them (``runner_stream._Stream``'s interface). The loop
     thread writes (``take``, ``fail``); the engine thread reads."""
 
-    def __init__(self, start: int, sent: int, fresh: bool, top_logprobs: int):
+    who = "vLLM"
+    error = VllmError
+
+    def __init__(self, start: int, sent: int, fresh: bool, top_logprobs: int, notify=None):
+        super().__init__(notify)
         self.start, self.sent, self.fresh, self.top_logprobs = start, sent, fresh, top_logprobs
-        self.predictions: queue.Queue = queue.Queue()
         self.tokens: list[int] = []
         """What vLLM sampled in this chunk, in order."""
         self.finished = False
@@ -67,26 +69,13 @@ class _Chunk:
         if done:  # after ``tokens``, before the predictions: once the engine reads the last one it may ask
             self.finished = True  # for the next chunk, and ``_kept`` must see the chunk whole and ended
         for p in preds:
-            self.predictions.put(p)
+            self.put(p)
         if done:
-            self.predictions.put(END)
+            self.put(END)
 
     def fail(self, error: BaseException) -> None:
-        self.predictions.put(error if isinstance(error, VllmError) else VllmError(f"{type(error).__name__}: {error}"))
-        self.predictions.put(END)
-
-    def next(self, timeout: float | None):
-        try:
-            item = self.predictions.get(timeout=timeout)
-        except queue.Empty:
-            raise VllmError(f"vLLM sent no token for {timeout:g}s") from None
-        if item is END:
-            self.predictions.put(END)
-            return None
-        if isinstance(item, BaseException):
-            self.predictions.put(END)
-            raise item
-        return item
+        self.put(error if isinstance(error, VllmError) else VllmError(f"{type(error).__name__}: {error}"))
+        self.put(END)
 
     def close(self) -> None:
         pass  # a chunk stops with its session (``_Session.abort``) or at its own stop
@@ -176,11 +165,11 @@ class VllmStreamRunner(StreamingRunner):
         if held is None:  # nothing to continue from: a new session (the prefix cache holds full blocks)
             self._abort(row)
             row.session, held = _Session(), 0
-        chunk = _Chunk(held, len(row.tokens) - held, held == 0, self.top_logprobs)
+        chunk = _Chunk(held, len(row.tokens) - held, held == 0, self.top_logprobs, self.arrived.set)
         self.host.loop.loop.call_soon_threadsafe(row.session.send, self.engine, chunk,
                                                  self._input(row, row.tokens[held:]))
-        row.stream, row.next = chunk, None
-        self.calls += 1
+        row.stream = chunk
+        self._opened(row)
 
     def _kept(self, row: _SessionRow) -> int | None:
         """Leading tokens of the row whose KV its session holds and may go on from, or None: its last

@@ -75,6 +75,9 @@ class Sequence:
     ticket: int = 0
     """The retrieval worker's ticket of the search this sequence waits for (0: none)."""
     parked_at: float = 0.0
+    fed_at: float | None = None
+    """When the runner was handed the row's pending tokens (a model server's token may take several
+    steps to come)."""
     cancelled: bool = False
     # per-request overrides of the engine's options (None: the engine's)
     max_iterations: int | None = None
