@@ -31,6 +31,11 @@ its prefix in the slot's cache even while the closed stream's slot is still fini
 token (llama-server defers a request for a busy slot); the engine's batch is held to the server's
 slots (``max_rows``), since a stream holds its slot while it lives. A stream ends with its row
 (``select``), and runs at most ``RUN_AHEAD`` tokens ahead of the engine.
+
+The engine's steps are partial here (``step(partial=True)``): each answers the rows whose next
+prediction has come, so a row whose first token after a new request is still on its way (its
+evidence being prefilled) holds up neither the others' tokens nor, through them, their searches
+and their next requests.
 """
 
 from __future__ import annotations
@@ -247,6 +252,7 @@ class StreamingRunner(RemoteRunner):
         waiting (its evidence being prefilled, say) does not hold up the others: the engine feeds
         it the same tokens again at its next step, which asks for the prediction again."""
         assert len(feeds) == len(self.rows), "rows must match the batch"
+        opening = []
         for i, feed in enumerate(feeds):
             row = self.rows[i]
             if not feed:
@@ -261,8 +267,9 @@ class StreamingRunner(RemoteRunner):
             row.tokens += feed
             if not follows:
                 row.bans = want
-                self._open(row)
+                opening.append(row)
             row.awaiting, row.asked_at = list(feed), time.perf_counter()
+        self._open_all(opening)
         waiting = [i for i, row in enumerate(self.rows) if row.awaiting is not None]
         if not waiting:
             raise ValueError("no row has anything to feed")
@@ -341,6 +348,11 @@ class StreamingRunner(RemoteRunner):
     def take_row_errors(self) -> dict[int, str]:
         errors, self.row_errors = self.row_errors, {}
         return errors
+
+    def _open_all(self, rows: list[StreamRow]) -> None:
+        """New streams for these rows, all sent before any is waited for."""
+        for row in rows:
+            self._open(row)
 
     def _open(self, row: StreamRow) -> None:
         if row.stream is not None:

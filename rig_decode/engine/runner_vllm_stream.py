@@ -161,15 +161,30 @@ class VllmStreamRunner(StreamingRunner):
         return [list(p) for p in prompts]
 
     def _open(self, row: _SessionRow) -> None:
-        held = self._kept(row)
-        if held is None:  # nothing to continue from: a new session (the prefix cache holds full blocks)
-            self._abort(row)
-            row.session, held = _Session(), 0
-        chunk = _Chunk(held, len(row.tokens) - held, held == 0, self.top_logprobs, self.arrived.set)
-        self.host.loop.loop.call_soon_threadsafe(row.session.send, self.engine, chunk,
-                                                 self._input(row, row.tokens[held:]))
-        row.stream = chunk
-        self._opened(row)
+        self._open_all([row])
+
+    def _open_all(self, rows: list[_SessionRow]) -> None:
+        """Each row's next chunk, handed to the loop thread in one call: vLLM gets a step's new
+        requests together (in the same engine step), not as the loop thread happens to wake."""
+        sends = []
+        for row in rows:
+            held = self._kept(row)
+            if held is None:  # nothing to continue from: a new session (the prefix cache holds full blocks)
+                self._abort(row)
+                row.session, held = _Session(), 0
+            chunk = _Chunk(held, len(row.tokens) - held, held == 0, self.top_logprobs, self.arrived.set)
+            sends.append((row.session, chunk, self._input(row, row.tokens[held:])))
+            row.stream = chunk
+            self._opened(row)
+        if sends:
+            self.host.loop.loop.call_soon_threadsafe(self._send_all, sends)
+
+    def _send_all(self, sends) -> None:
+        for session, chunk, streaming_input in sends:
+            try:
+                session.send(self.engine, chunk, streaming_input)
+            except Exception as e:  # noqa: BLE001 - that row fails alone; the others are sent
+                chunk.fail(e)
 
     def _kept(self, row: _SessionRow) -> int | None:
         """Leading tokens of the row whose KV its session holds and may go on from, or None: its last
