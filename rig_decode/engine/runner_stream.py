@@ -30,12 +30,8 @@ On llama-server each row keeps one slot (``id_slot``) for its whole life, so a n
 its prefix in the slot's cache even while the closed stream's slot is still finishing its last
 token (llama-server defers a request for a busy slot); the engine's batch is held to the server's
 slots (``max_rows``), since a stream holds its slot while it lives. A stream ends with its row
-(``select``), and runs at most ``RUN_AHEAD`` tokens ahead of the engine.
-
-The engine's steps are partial here (``step(partial=True)``): each answers the rows whose next
-prediction has come, so a row whose first token after a new request is still on its way (its
-evidence being prefilled) holds up neither the others' tokens nor, through them, their searches
-and their next requests.
+(``select``), and runs at most ``RUN_AHEAD`` tokens ahead of the engine. The engine's steps are
+partial (``step(partial=True)``): a row whose token is still on its way holds up no other row.
 """
 
 from __future__ import annotations
@@ -69,9 +65,8 @@ next to none: the stream closes at the end delimiter, ``stop_after``)."""
 
 
 class Inbox:
-    """A stream's predictions as a reader thread puts them and the engine takes them, in order; after
-    the last, ``END`` (an error, then ``END``, where the stream failed). ``notify`` is called after
-    every put (the runner's wake-up for a partial step)."""
+    """A stream's predictions as a reader thread puts them and the engine takes them, then ``END`` (an
+    error, then ``END``, where it failed); ``notify`` is called after every put (a partial step's)."""
 
     who = "the server"
     error = RemoteError
@@ -288,8 +283,7 @@ class StreamingRunner(RemoteRunner):
         return answered
 
     def wake(self) -> None:
-        """End a partial step's wait now: the engine has other work (a search came back, a request
-        arrived). Thread-safe."""
+        """End a partial step's wait now (a search came back, a request arrived). Thread-safe."""
         self._woken = True
         self.arrived.set()
 
@@ -303,8 +297,8 @@ class StreamingRunner(RemoteRunner):
             if answered or self._woken or (until is not None and now >= until):
                 self._woken = False
                 return answered
-            due = min(self.rows[i].asked_at for i in waiting) + self.timeout_s  # a row's own timeout
-            self.arrived.wait(max(0.0, min(due, until if until is not None else due) - now) + 1e-3)
+            due = min([self.rows[i].asked_at + self.timeout_s for i in waiting] + [until or float("inf")])
+            self.arrived.wait(max(0.0, due - now) + 1e-3)  # until a token, a wake, or a row's own timeout
 
     def _answer(self, i: int, logits: torch.Tensor, wait: bool) -> bool:
         """Row ``i``'s prediction into ``logits[i]``: True once it is there (or the row failed: its
