@@ -26,7 +26,8 @@ def postprocess(rows: list[Sequence], sampled: Sampled, spliced: list[bool], sta
         if s.is_finished:  # its processors failed
             continue
         try:
-            _account_time(s, was_spliced, (done - started[j]) * 1e3, done, row_info(runner_rows[j]) if row_info is not None else None)
+            info = row_info(runner_rows[j]) if row_info is not None else None
+            _account_time(s, was_spliced, (done - started[j]) * 1e3, done, info)
             _take_token(s, tok, forced, stop_ids, context_limit)
         except Exception as e:  # noqa: BLE001
             s.fail("postprocessing its token", e, done)
