@@ -4,7 +4,8 @@ One workload: ``--questions`` (16) questions of the synthetic benchmark (``rig s
 is its test.jsonl, whose folder holds corpus.jsonl), by default those whose gold answer needs at
 least ``--min-hops`` (2) hops, answered by the embedded default model with its marker adapter,
 greedy, hop budget ``--max-iterations`` (3), at most ``--max-tokens`` sampled tokens each, over the
-real hybrid retriever built on the benchmark's corpus (as ``rig eval`` builds it), with
+real hybrid retriever built on the benchmark's corpus (as ``rig eval`` builds it, without its
+query-embedding cache, which would hand a round's later systems the first one's embeddings), with
 ``--search-ms`` (150) added to every search call (a remote index). Every system gets the same
 prompt token ids and runs at each ``--concurrency`` (1 and 8). Systems (``--systems``):
 
@@ -180,8 +181,9 @@ def main(argv=None) -> int:
         print(f"bench/peers.py: no question of {args.dataset} needs {args.min_hops} hops", file=sys.stderr)
         return 2
     base = RigConfig.from_yaml(args.config) if args.config else RigConfig()
+    # no query-embedding cache: a round's later systems would skip the model (~15 ms a query on 2 cores)
     cfg = base.updated(rig={"max_iterations": args.max_iterations}, model={"max_tokens": args.max_tokens},
-                       engine={"backend": "hf"})
+                       engine={"backend": "hf"}, retriever={"query_cache_size": 0})
     log(f"{len(examples)} questions; building the retriever over "
         f"{len(corpus) if corpus else 'the configured'} documents")
     retriever = SearchDelay(build_retriever(cfg.retriever, corpus=corpus), args.search_ms)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor
 
@@ -84,6 +85,23 @@ class _MarkerProcessor(LogitsProcessor):
 NO_BANS: frozenset[int] = frozenset()
 
 
+def numpy_rows(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows are read and written through numpy: float32 on the CPU. Per token, the
+    engine's own work is a few rows over the vocabulary and a few ids in each: there torch's per-op
+    overhead is most of the work (its CPU ``argmax`` over 49k scores takes ~10x its ``amax``), and a
+    copy or fill of a few rows wakes OpenMP's threads, which cost more than the work and take the
+    cores a model server on this machine runs on."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
+
+
+def _ban(scores: torch.Tensor, i: int, ids: torch.Tensor) -> None:
+    """Row ``i`` of ``scores``: these ids to -inf."""
+    if numpy_rows(scores):
+        scores.numpy()[i, ids.numpy()] = -np.inf
+    else:
+        scores[i, ids.to(scores.device)] = float("-inf")
+
+
 def _hop_limit(row, default: int) -> int:
     """A row's hop budget: its own ``max_iterations`` where it has one (engine sequences)."""
     limit = getattr(row, "max_iterations", None)
@@ -100,8 +118,7 @@ class HopBudgetProcessor(_MarkerProcessor):
         for i, row in enumerate(rows):
             m = row.matcher
             if m.num_markers >= _hop_limit(row, self.max_iterations) and not m.is_open:
-                banned = self.vocab.start_completing_ids(m.start_states).to(scores.device)
-                scores[i, banned] = float("-inf")
+                _ban(scores, i, self.vocab.start_completing_ids(m.start_states))
         return scores
 
     def fixed_bans(self, row):
@@ -128,7 +145,7 @@ class StrayEndProcessor(_MarkerProcessor):
         if len(self.ids):
             for i, row in enumerate(rows):
                 if not row.matcher.is_open:
-                    scores[i, self.ids.to(scores.device)] = float("-inf")
+                    _ban(scores, i, self.ids)
         return scores
 
     def fixed_bans(self, row):
@@ -161,7 +178,7 @@ class NoStopInQueryProcessor(_MarkerProcessor):
         if len(self.stop_ids):
             for i, row in enumerate(rows):
                 if row.matcher.is_open:
-                    scores[i, self.stop_ids.to(scores.device)] = float("-inf")
+                    _ban(scores, i, self.stop_ids)
         return scores
 
     def fixed_bans(self, row):
@@ -181,14 +198,21 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
         self.vocab = vocab
 
     def apply(self, rows, scores):
-        newline = self.vocab.newline_ids.to(scores.device)
+        newline = self.vocab.newline_ids
+        as_numpy = numpy_rows(scores)
+        ids = newline.numpy() if as_numpy else newline.to(scores.device)
         for i, row in enumerate(rows):
             m = row.matcher
             if m.is_open and len(newline):
                 end = m.next_forced_end()
-                folded = torch.logsumexp(torch.cat([scores[i, newline], scores[i, end : end + 1]]), 0)
-                scores[i, newline] = float("-inf")
-                scores[i, end] = folded
+                if as_numpy:
+                    row_scores = scores.numpy()[i]
+                    folded = _logsumexp(np.append(row_scores[ids], row_scores[end]))
+                    row_scores[ids], row_scores[end] = -np.inf, folded
+                else:
+                    folded = torch.logsumexp(torch.cat([scores[i, ids], scores[i, end : end + 1]]), 0)
+                    scores[i, ids] = float("-inf")
+                    scores[i, end] = folded
         return scores
 
     def fixed_bans(self, row):
@@ -216,10 +240,21 @@ class RetrieveFirstProcessor(_MarkerProcessor):
         return None if self._forces(row) else NO_BANS
 
 
+def _logsumexp(x: np.ndarray) -> np.float32:
+    top = x.max()
+    if not np.isfinite(top):
+        return top
+    return top + np.log(np.exp(x - top).sum(dtype=np.float32))
+
+
 def _force(scores: torch.Tensor, forced: list[tuple[int, int]]) -> torch.Tensor:
     """Leave only token ``t`` possible in row ``i`` for each ``(i, t)``: two batched writes, not a
     full-row fill per row (per-row fills were most of the processors' time at batch 32)."""
-    if forced:
+    if forced and numpy_rows(scores):
+        rows, ids = [i for i, _ in forced], [t for _, t in forced]
+        scores.numpy()[rows] = -np.inf
+        scores.numpy()[rows, ids] = 0.0
+    elif forced:
         rows = torch.tensor([i for i, _ in forced], device=scores.device)
         ids = torch.tensor([t for _, t in forced], device=scores.device)
         scores[rows] = float("-inf")

@@ -9,7 +9,7 @@ import torch
 
 from rig_decode.engine.servers import LlamaCppServer
 from rig_decode.engine.runner_remote import RemoteRunner
-from rig_decode.engine.runner_stream import RUN_AHEAD, StreamingRunner
+from rig_decode.engine.runner_stream import RUN_AHEAD, SCORED_LEAD, StreamingRunner, StreamRow
 from rig_decode.engine import EngineOptions, RigEngine
 from rig_decode.markers import MarkerSpec, MarkerVocab
 from rig_decode.prompt import build_prompt
@@ -71,15 +71,55 @@ def test_the_server_stops_at_the_end_marker_it_writes_itself():
     assert [s.matcher.visible_text().strip() for s in seqs] == ANSWERS
     assert runner.stop_text == (END,) and runner.opens_query_text == (START,)
     assert all(r["stop"] == ([END] if r["n_probs"] else [END, START]) for r in server.requests)
-    # a hop costs two requests: its query, with scores (the newline rule needs them), and the answer
-    # after its evidence, without (the rules there are bans: the stray end delimiter's)
+    # a row's first stretch (no query seen yet) streams without scores (the rules there are bans: the
+    # stray end delimiter's) and stops at its query's start, whose tokens come with scores (the
+    # newline rule needs them) in a second request; those queries opened within SCORED_LEAD tokens of
+    # their stretch's start, so each stream after evidence asks for scores from its start and runs on
+    # into the next query: a hop costs one request
     hops = sum(s.trace.num_hops for s in seqs)
-    assert runner.calls == len(server.requests) == len(seqs) + 2 * hops == 8
-    scored = [r for r in server.requests if r["n_probs"]]
-    assert len(scored) == hops and all(r["n_probs"] == 20 and r["banned"] == [] for r in scored)
+    assert runner.lead <= SCORED_LEAD
+    assert runner.calls == len(server.requests) == 2 * len(seqs) + hops == 7
+    unscored = [r for r in server.requests if not r["n_probs"]]
     end = tok.convert_tokens_to_ids(END)
-    assert all(r["banned"] == [end] for r in server.requests if not r["n_probs"])
+    assert len(unscored) == len(seqs) and all(r["banned"] == [end] for r in unscored)
+    assert all(r["n_probs"] == 20 and r["banned"] == [] for r in server.requests if r not in unscored)
     assert server.decoded == sum(s.num_generated for s in seqs)
+
+
+class _NoSlots:
+    def total_slots(self):
+        return None
+
+    def context_limit(self):
+        return None
+
+
+def test_a_stream_asks_for_scores_from_its_start_where_queries_open_soon():
+    """Where the last query opened within SCORED_LEAD tokens of its stretch's start, a stream that may
+    open a query asks for scores from its start (the query then needs no request of its own); where it
+    opened later, or the hop budget is spent (the bans hold the query's start), the bans go up."""
+    runner = StreamingRunner(_NoSlots(), 100)
+    runner.opens_query = frozenset({7})
+    bans, spent = frozenset({9}), frozenset({7, 9})
+
+    def feed(row, ids, rules=bans):
+        runner._track(row, ids)
+        row.tokens += ids
+        return runner._rules(rules)
+
+    row = StreamRow([])
+    assert feed(row, [1, 2, 3]) == bans  # a prompt, no query seen yet
+    for t in range(SCORED_LEAD + 1):
+        assert feed(row, [10 + t]) == bans
+    feed(row, [7], None)
+    assert runner.lead == SCORED_LEAD + 1  # opened its query too late: the next stretch sends bans
+    assert feed(row, [8, 4, 4, 4]) == bans  # end marker and evidence
+    feed(row, [7], None)
+    assert runner.lead == 0
+    other = StreamRow([])
+    assert feed(other, [1, 2]) is None  # any row now: scores, from its prompt on
+    assert feed(other, [5], spent) == spent  # no query can open: the bans still go up
+
 
 def test_the_batch_is_held_to_the_servers_slots(model, tok):
     """A stream holds its slot while it lives: three rows on a two-slot server decode two at a time,

@@ -100,7 +100,8 @@ class RigEngine:
         self.runner.reset(0)
         self.processors = [
             *extra_processors,
-            *([GateProcessor(self.vocab, options.gate, options.max_iterations, _guarded(getattr(retriever, "knows", None)))]
+            *([GateProcessor(self.vocab, options.gate, options.max_iterations,
+                             _guarded(getattr(retriever, "knows", None)))]
               if options.gate is not None else []),
             *marker_processors(self.vocab, options.max_iterations, options.max_query_tokens,
                                self.stop_ids, options.newline_ends_query, options.retrieve_first),

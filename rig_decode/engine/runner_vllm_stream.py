@@ -28,7 +28,8 @@ import asyncio
 import itertools
 from dataclasses import dataclass
 
-from .runner_stream import END, Inbox, StreamingRunner, StreamRow
+from .inbox import END, Inbox
+from .runner_stream import StreamingRunner, StreamRow
 from .vllm_host import IDS_ONLY, NoServer, VllmError, VllmHost, predictions, rule_args
 
 _ids = itertools.count()

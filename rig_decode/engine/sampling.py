@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..logits import numpy_rows
 from .options import EngineOptions
 from .sequence import Sequence
 
@@ -89,17 +90,9 @@ class Sampler:
         return logits
 
 
-def _numpy_rows(t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows are read through numpy: float32 on the CPU. Per token, the engine's own
-    work is a few rows over the vocabulary: there torch's CPU ``argmax`` over 49k scores takes ~10x
-    its ``amax`` (counting finite scores as long), and a copy of a few rows wakes OpenMP's threads,
-    which cost more than the copy and take the cores a model server on this machine runs on."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad
-
-
 def _rows(logits: torch.Tensor, at: list[int]) -> torch.Tensor:
     """A copy of these rows of the step's logits."""
-    if _numpy_rows(logits):
+    if numpy_rows(logits):
         return torch.from_numpy(logits.numpy()[at])  # numpy's fancy indexing copies, on this thread
     return logits.index_select(0, torch.tensor(at, device=logits.device))
 
@@ -107,7 +100,7 @@ def _rows(logits: torch.Tensor, at: list[int]) -> torch.Tensor:
 def greedy(scores: torch.Tensor) -> tuple[list[int], list[bool]]:
     """Each row's greedy token (the first of equal maxima, as ``argmax``) and whether it is the row's
     only finite score (a processor forced it: on numpy rows, "the runner-up is -inf")."""
-    if not _numpy_rows(scores):
+    if not numpy_rows(scores):
         return scores.argmax(dim=-1).tolist(), (torch.isfinite(scores).sum(dim=-1) == 1).tolist()
     a = scores.numpy()
     rows, best = np.arange(len(a)), a.argmax(axis=-1)
