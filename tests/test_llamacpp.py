@@ -120,8 +120,11 @@ def test_the_demo_on_llama_server_gives_the_in_process_answers(merged_server, ru
         for step in b_trace.retrieval_steps:
             assert step.info["server"]["prompt_n"] <= step.evidence_tokens + 1, step.info
     assert hops >= len(questions)
-    if not rules:  # nothing forced: a request per question, two per hop (its query with scores, the
-        assert calls == len(questions) + 2 * hops, (calls, hops)  # answer after its evidence without)
+    if not rules:  # nothing forced; the rows start together (4 slots), before any query has opened:
+        # each row's first stretch without scores, then its query with them (2 a question); the model
+        # searches first, so every stream after evidence asks for scores and runs on into the next
+        # query (1 a hop: SCORED_LEAD)
+        assert calls == 2 * len(questions) + hops, (calls, hops)
 
 
 def test_remote_llamacpp_answers_like_the_in_process_backend(llama_server):
