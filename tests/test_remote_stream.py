@@ -296,6 +296,37 @@ def test_the_server_applies_the_bans_and_picks_the_in_process_tokens(tok_special
     assert all(r["n_probs"] == 20 for r in server.requests if r not in unscored)
 
 
+
+class _ScoredOnly(StreamingRunner):
+    pushes_bans = False  # every stream sends scores (as vLLM's chunks do)
+
+
+@pytest.mark.parametrize("hops", [0, 1])
+def test_a_scored_token_the_bans_allow_is_taken_without_the_processors(tok_special, hops):
+    """A stream that sends scores still spares the engine its processors where the rules at a position
+    only ban tokens: a greedy token they do not ban is the engine's pick (``take_picks``). The
+    processors run inside queries and where the server's token is banned (the start delimiter past
+    the budget, which this model prefers), and the tokens are the in-process engine's."""
+    model = tiny_model(len(tok_special))
+    start = tok_special.convert_tokens_to_ids(START)
+    plain = _generate(_engine(model, tok_special, {}, max_iterations=0, max_new_tokens=40), tok_special, PROMPTS)
+    counts = torch.bincount(torch.tensor([t for s in plain for t in s.token_ids[len(s.prompt_ids):]]))
+    with torch.no_grad():  # the start delimiter wherever the favourite token leads
+        model.lm_head.weight[start] = 1.5 * model.lm_head.weight[int(counts.argmax())]
+    opts = {"max_iterations": hops, "max_new_tokens": 40, "max_query_tokens": 4}
+    local = _generate(_engine(model, tok_special, {}, **opts), tok_special, PROMPTS)
+    seen = _RowCounter()
+    with FakeLlamaServer(model, tok_special.eos_token_id) as server:
+        runner = _ScoredOnly(LlamaCppServer(server.url), len(tok_special))
+        engine = _engine(model, tok_special, {}, runner=runner, **opts)
+        engine.processors.insert(0, seen)
+        remote = _generate(engine, tok_special, PROMPTS)
+    assert [s.token_ids for s in remote] == [s.token_ids for s in local]
+    assert all(r["n_probs"] == 20 and not r["banned"] for r in server.requests)
+    sampled = sum(s.num_generated for s in remote)
+    assert 0 < seen.rows < sampled / 2, (seen.rows, sampled)
+    assert max(s.trace.num_hops for s in remote) == hops
+
 def test_a_partial_step_answers_the_rows_whose_tokens_came(model, tok):
     """A row whose first token is slow (a long prefill) holds up no other row: a partial step answers
     the rows whose predictions have come, and the slow row, fed the same tokens again at the next

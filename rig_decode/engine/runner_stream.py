@@ -18,10 +18,11 @@ token the server did not predict:
 
 Where the rules at a row's next position only ban tokens (outside a query: the hop budget, a stray
 end delimiter, citations outside a number) and the row decodes greedily, the engine passes the bans
-(``Sampler.fixed_bans``) and the stream asks the server to apply them (``logit_bias``) and send no
-log-probabilities: the server's own greedy pick is then the engine's, which takes it as it is
-(``take_picks``: its processors do not run again on what they would only ban), and the server skips
-the top-N list it would otherwise build per token. Such a stream stops after a token
+(``Sampler.fixed_bans``): a server's greedy token that none of them bans is the engine's pick, which
+it takes as it is (``take_picks``: no scores written, no processors run, no argmax over the
+vocabulary; most of the engine's work per token), whether the stream sent scores or not. Such a
+stream asks the server to apply the bans itself (``logit_bias``, ``pushes_bans``) and send no
+log-probabilities, so the server skips the top-N list it would otherwise build per token. Such a stream stops after a token
 that opens a query (``opens_query``), where the newline rule needs the scores again, so the query
 costs a request of its own. Where queries open within a few tokens of their stretch's start (a
 marker-trained model searches first, then answers), a stream that may open one asks for scores from
@@ -131,13 +132,18 @@ class StreamRow:
     """Streams of the row that ended without a prediction since its last one."""
     stretch_at: int = 0
     """Where the row's current stretch began (after its prompt or its last evidence)."""
+    want: frozenset[int] | None = None
+    """The bans at the position the row waits for a prediction of (None: the rules need its scores)."""
 
 
 class StreamingRunner(RemoteRunner):
     """The engine's runner interface over a streaming completion server (see the module docstring)."""
 
+    takes_bans = True
+    """``step`` takes each row's bans at its next position (``Sampler.fixed_bans``; None: the rules
+    need the scores there): a prediction they do not ban is the engine's pick (``take_picks``)."""
     pushes_bans = True
-    """``step`` takes each row's bans (``Sampler.fixed_bans``) for the server to apply."""
+    """A new stream under bans asks the server to apply them and send no scores (``_rules``)."""
     partial_steps = True
     """``step(partial=True)`` answers the rows whose tokens have come, without waiting for the rest."""
 
@@ -235,6 +241,7 @@ class StreamingRunner(RemoteRunner):
             follows = (row.stream is not None and row.next is not None and feed == [row.next.token]
                        and (row.bans is None or row.bans == want))  # a stream with scores serves any rules
             row.tokens += feed
+            row.want = want
             if not follows:
                 row.bans = self._rules(want)
                 opening.append(row)
@@ -264,7 +271,8 @@ class StreamingRunner(RemoteRunner):
         """The bans a new stream runs under (None: it asks for scores). Where it may open a query and
         the last query opened within ``SCORED_LEAD`` tokens of its stretch's start: scores from the
         start, so that the stream runs on into the query, sparing the request at its start."""
-        if bans is not None and self.lead <= self.scored_lead and not self.opens_query <= bans:
+        if not self.pushes_bans or (bans is not None and self.lead <= self.scored_lead
+                                    and not self.opens_query <= bans):
             return None
         return bans
 
@@ -303,9 +311,10 @@ class StreamingRunner(RemoteRunner):
                 prediction = self._next(row, wait)
             if prediction is None:
                 return False
-            self._write_scores(logits[i], prediction.top)
-            if row.bans is not None:
-                self.picks[i] = prediction.token
+            if row.want is not None and prediction.token not in row.want:
+                self.picks[i] = prediction.token  # greedy under bans it does not break: no scores needed
+            else:
+                self._write_scores(logits[i], prediction.top)
         except RemoteError as e:  # this row's request failed: the others go on
             self.row_errors[i] = str(e)
             logits[i].numpy().fill(0.0)
@@ -324,9 +333,9 @@ class StreamingRunner(RemoteRunner):
                 row.stream = None
 
     def take_picks(self) -> dict[int, int]:
-        """The last step's tokens the server picked under each row's bans, by row: the engine's
-        processors would ban the same and its greedy pick is the server's, so it takes them as they
-        are (``Sampler.sample``'s ``picked``)."""
+        """The last step's tokens the server picked that the row's bans do not ban, by row: the
+        engine's greedy pick under those bans is the server's, so it takes them as they are
+        (``Sampler.sample``'s ``picked``; their logits rows are left unwritten)."""
         picks, self.picks = self.picks, {}
         return picks
 

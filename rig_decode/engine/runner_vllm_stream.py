@@ -5,7 +5,9 @@ chunks, whose KV vLLM keeps between chunks. A chunk asks for the rest of the row
 bounded by the context) and stops at the end delimiter, EOS and the engine's stop ids
 (``stop_token_ids``): vLLM runs its own decode loop (batching, async scheduling, CUDA graphs), and
 each token reaches the engine as vLLM emits it (DELTA outputs with the position's top
-log-probabilities), where the engine's logits processors check it exactly as in the other backends.
+log-probabilities), where the engine's logits processors check it exactly as in the other backends
+(where the rules at a position only ban tokens and vLLM's token is not one of them, the engine takes
+it as it is: ``take_picks``).
 The ``StreamingRunner`` logic does the rest (``runner_stream.py``); a row takes a new chunk only
 where the engine does not take what vLLM sampled:
 
@@ -139,7 +141,7 @@ class VllmStreamRunner(StreamingRunner):
     ``stop_after``, which the engine sets: its end delimiter and its stop ids."""
 
     mode = "stream"
-    pushes_bans = False  # the rules run in the engine, on each position's top log-probabilities
+    pushes_bans = False  # every chunk sends scores (vLLM applies the rules only through marker_rules)
 
     def __init__(self, host: VllmHost, vocab_size: int, *, top_logprobs: int = 20, context_limit: int = 8192,
                  marker_rules=None, timeout_s: float | None = None):

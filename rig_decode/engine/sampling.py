@@ -34,10 +34,11 @@ class Sampler:
     def sample(self, rows: list[Sequence], logits: torch.Tensor, at: list[int], now: float,
                picked: dict[int, int] | None = None) -> Sampled:
         """A token per row, ``rows[j]`` from the step's logits row ``at[j]`` (the step's logits stay
-        untouched: a row-by-row retry starts from them). ``picked``: tokens a model server already
-        picked greedily under the bans ``fixed_bans`` gave it, by logits row: the processors would ban
-        the same and greedy would pick the same, so those rows are taken as they are (per token, the
-        processors are most of what the engine does for a row a server decodes)."""
+        untouched: a row-by-row retry starts from them). ``picked``: tokens a model server picked
+        greedily that the row's bans (``fixed_bans``) do not ban, by logits row: the processors would
+        only ban and greedy would pick the same, so those rows are taken as they are and their logits
+        rows are not read (per token, the processors are most of what the engine does for a row a
+        server decodes)."""
         if picked and any(i in picked for i in at):
             todo = [j for j, i in enumerate(at) if i not in picked]
             tokens, forced = [picked.get(i, -1) for i in at], [False] * len(at)
