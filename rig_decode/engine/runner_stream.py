@@ -20,21 +20,26 @@ Where the rules at a row's next position only ban tokens (outside a query: the h
 end delimiter, citations outside a number) and the row decodes greedily, the engine passes the bans
 (``Sampler.fixed_bans``): a server's greedy token that none of them bans is the engine's pick, which
 it takes as it is (``take_picks``: no scores written, no processors run, no argmax over the
-vocabulary; most of the engine's work per token), whether the stream sent scores or not. Such a
-stream asks the server to apply the bans itself (``logit_bias``, ``pushes_bans``) and send no
-log-probabilities, so the server skips the top-N list it would otherwise build per token. Such a stream stops after a token
-that opens a query (``opens_query``), where the newline rule needs the scores again, so the query
-costs a request of its own. Where queries open within a few tokens of their stretch's start (a
-marker-trained model searches first, then answers), a stream that may open one asks for scores from
-its start instead (``SCORED_LEAD``, ``_rules``) and runs on into the query: one request per hop. A
-row whose bans change gets a new stream (a stream with scores serves any rules).
+vocabulary; most of the engine's work per token), whether the stream sent scores or not. A new
+stream under bans asks the server to apply them itself (``logit_bias``, ``pushes_bans``) and send
+no log-probabilities, so the server skips the top-N list it would otherwise build per token; it
+stops after a token that opens a query (``opens_query``), where the newline rule needs the scores
+again, so the query costs a request of its own. Where queries open within a few tokens of their
+stretch's start (a marker-trained model searches first, then answers), a stream that may open one
+asks for scores from its start instead (``SCORED_LEAD``, ``_rules``) and runs on into the query:
+one request per hop. A row whose bans change gets a new stream (a stream with scores serves any
+rules).
+
+While a row searches, the tokens its next feed is known to begin with (its end marker's token and
+the evidence block's head) are prefilled in a request of one token (``pause``): the evidence's own
+request then evaluates the rest.
 
 On llama-server each row keeps one slot (``id_slot``) for its whole life, so a new request finds
 its prefix in the slot's cache even while the closed stream's slot is still finishing its last
 token (llama-server defers a request for a busy slot); the engine's batch is held to the server's
 slots (``max_rows``), since a stream holds its slot while it lives. A stream ends with its row
-(``select``), and runs at most ``RUN_AHEAD`` tokens ahead of the engine. The engine's steps are
-partial (``step(partial=True)``): a row whose token is still on its way holds up no other row.
+(``select``), and runs at most ``inbox.RUN_AHEAD`` tokens ahead of the engine. The engine's steps
+are partial (``step(partial=True)``): a row whose token is still on its way holds up no other row.
 """
 
 from __future__ import annotations
@@ -46,20 +51,12 @@ from functools import partial
 
 import torch
 
-from .inbox import END, PENDING, Inbox
+from .inbox import PENDING, ServerStream
 from .runner_remote import RemoteRunner
 from .servers import Prediction, RemoteError, make_server
 
 STREAM_TOKENS = 1024
 """The most tokens one request asks for (bounded by the context too)."""
-
-RUN_AHEAD = 16
-"""Predictions a stream may hold that the engine has not taken yet. The server decodes as fast as it
-can, whatever the engine's pace (at a high concurrency on shared cores, faster): past this, the
-stream closes itself, and the engine opens a new one (its prompt cached) when it has caught up. So
-a forced token wastes at most this many decoded tokens, not everything up to the end (a hop wastes
-next to none: the stream closes at the end delimiter, ``stop_after``)."""
-
 
 SCORED_LEAD = 8
 """A stream asks for scores from its start where the last query opened within this many tokens of
@@ -67,57 +64,11 @@ its stretch's start: a request at the query's start costs about what the scores 
 cost (on llama-server on 2 cores: 3-4.5 ms against 0.3-0.6 ms a token)."""
 
 
-class _Stream(Inbox):
-    """One streamed completion: a thread reads the server's predictions into the inbox."""
-
-    def __init__(self, request, stop_after: frozenset[int] = frozenset(), notify=None):
-        """``request(cancelled=, opened=)``: the server's ``stream_completion`` with its arguments."""
-        super().__init__(notify)
-        self.info: dict | None = None
-        """The server's accounting of the prompt (tokens from its cache, tokens evaluated)."""
-        self.closed = False
-        self.response = None
-        self.thread = threading.Thread(target=self._read, name="rig-remote-stream", daemon=True,
-                                       args=(request, stop_after))
-        self.thread.start()
-
-    def _read(self, request, stop_after) -> None:
-        try:
-            for preds, info in request(cancelled=lambda: self.closed, opened=self._opened):
-                if info is not None and self.info is None:
-                    self.info = info
-                for p in preds:
-                    self.put(p)
-                    if p.token in stop_after:  # an end delimiter: the row parks for its search next
-                        self.closed = True
-                if self.closed or self.predictions.qsize() >= RUN_AHEAD:  # (or far enough ahead of the engine)
-                    self.closed = True
-                    break
-        except BaseException as e:  # noqa: BLE001 - the engine's thread raises it for this row
-            self.put(e)
-        self.put(END)
-
-    def _opened(self, response) -> None:
-        self.response = response
-        if self.closed:  # closed before the server answered
-            self.close()
-
-    def close(self) -> None:
-        """Stop reading and close the connection now (the reader wakes with an error it ignores)."""
-        self.closed = True
-        response = self.response
-        if response is not None:
-            try:
-                response.close()
-            except Exception:  # noqa: BLE001 - closed under a reader, or twice: it is closed either way
-                pass
-
-
 @dataclass(slots=True)
 class StreamRow:
     tokens: list[int]
     slot: int | None = None
-    stream: _Stream | None = None
+    stream: ServerStream | None = None
     next: Prediction | None = None
     """The server's prediction for the position after ``tokens``."""
     info: dict | None = None
@@ -132,6 +83,8 @@ class StreamRow:
     """Streams of the row that ended without a prediction since its last one."""
     stretch_at: int = 0
     """Where the row's current stretch began (after its prompt or its last evidence)."""
+    warming: ServerStream | None = None
+    """The request prefilling what the row will be fed next while it searches (``pause``)."""
     want: frozenset[int] | None = None
     """The bans at the position the row waits for a prediction of (None: the rules need its scores)."""
 
@@ -177,6 +130,10 @@ class StreamingRunner(RemoteRunner):
         self.scored_lead = SCORED_LEAD
         self.lead = SCORED_LEAD + 1
         """Tokens the last query opened after its row's stretch began (``_rules``)."""
+        self.warm_ahead = True
+        """Prefill what a searching row is known to be fed next (``pause``)."""
+        self.warm_calls = 0
+        """Requests that prefilled ahead (not in ``calls``: no prediction is taken from them)."""
         self.answered: list[int] = []
         self.arrived = threading.Event()
         """Set whenever a stream has something for the engine (a partial step waits on it)."""
@@ -208,8 +165,9 @@ class StreamingRunner(RemoteRunner):
 
     def _release(self, rows: list[StreamRow]) -> None:
         for row in rows:
-            if row.stream is not None:
-                row.stream.close()
+            for stream in (row.stream, row.warming):
+                if stream is not None:
+                    stream.close()
             if row.slot is not None:
                 self.free_slots.append(row.slot)
         self.free_slots.sort()
@@ -324,13 +282,26 @@ class StreamingRunner(RemoteRunner):
         row.awaiting = None
         return True
 
-    def pause(self, rows: list[int]) -> None:
-        """These rows wait (for their search): their streams close, the next step opens new ones."""
-        for i in rows:
+    def pause(self, rows: list[int], ahead: list[list[int]] | None = None) -> None:
+        """These rows wait (for their search): their streams close, the next step opens new ones.
+        ``ahead``: the tokens each row's next feed begins with, known now (the end marker's token and
+        the evidence block's head): the server prefills them while the search runs, in a request of
+        one token whose answer nobody waits for (``warm_ahead``), so the evidence's own request
+        evaluates the rest (the hop's trace counts both: ``prompt_n`` and ``ahead_n``)."""
+        for j, i in enumerate(rows):
             row = self.rows[i]
             if row.stream is not None:
                 row.stream.close()
                 row.stream = None
+            if self.warm_ahead and ahead and ahead[j]:
+                self._warm(row, ahead[j])
+
+    def _warm(self, row: StreamRow, tokens: list[int]) -> None:
+        if row.warming is not None:
+            row.warming.close()
+        request = partial(self.server.stream_completion, row.tokens + list(tokens), 1, 0, row.slot)
+        row.warming = ServerStream(request)
+        self.warm_calls += 1
 
     def take_picks(self) -> dict[int, int]:
         """The last step's tokens the server picked that the row's bans do not ban, by row: the
@@ -349,14 +320,15 @@ class StreamingRunner(RemoteRunner):
             self._open(row)
 
     def _open(self, row: StreamRow) -> None:
-        if row.stream is not None:
-            row.stream.close()
+        for stream in (row.stream, row.warming):  # a prefill ahead not sent yet never goes
+            if stream is not None:
+                stream.close()
         unscored = row.bans is not None
         request = partial(self.server.stream_completion, list(row.tokens), self._predict_n(row.tokens),
                           0 if unscored else self.top_logprobs, row.slot, banned=sorted(row.bans or ()),
                           stop=self.stop_text + self.opens_query_text if unscored else self.stop_text)
-        row.stream = _Stream(request, self.stop_after | self.opens_query if unscored else self.stop_after,
-                             self.arrived.set)
+        stop_after = self.stop_after | self.opens_query if unscored else self.stop_after
+        row.stream = ServerStream(request, stop_after, self.arrived.set)
         self._opened(row)
 
     def _opened(self, row: StreamRow) -> None:
@@ -377,6 +349,11 @@ class StreamingRunner(RemoteRunner):
             if prediction is not None:
                 if fresh and row.stream.info is not None:
                     row.info = dict(row.stream.info)
+                    warmed = row.warming.info if row.warming is not None else None
+                    if warmed is not None and warmed.get("prompt_n") is not None:
+                        row.info["ahead_n"] = warmed["prompt_n"]  # the tokens prefilled while it searched
+                if fresh:
+                    row.warming = None
                 row.next, row.ended = prediction, 0
                 return prediction
             row.ended += 1

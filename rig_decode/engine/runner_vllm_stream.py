@@ -42,7 +42,7 @@ prefill or preemption, short of never (a request vLLM lost must not hold the eng
 
 
 class _Chunk(Inbox):
-    """One chunk's outputs, as the engine reads them (``runner_stream._Stream``'s interface). The loop
+    """One chunk's outputs, as the engine reads them (``inbox.ServerStream``'s interface). The loop
     thread writes (``take``, ``fail``); the engine thread reads."""
 
     who = "vLLM"
@@ -215,9 +215,10 @@ class VllmStreamRunner(StreamingRunner):
             row.session = None
         row.stream = row.next = None
 
-    def pause(self, rows: list[int]) -> None:
+    def pause(self, rows: list[int], ahead: list[list[int]] | None = None) -> None:
         """A row that parks for its search while its chunk still decodes stops it (a chunk that ended
-        at the end delimiter keeps its session)."""
+        at the end delimiter keeps its session). ``ahead`` is not prefilled: a session's next chunk
+        is the marker and the whole evidence block."""
         for i in rows:
             row = self.rows[i]
             if row.stream is not None and not row.stream.finished:

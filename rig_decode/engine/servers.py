@@ -79,6 +79,8 @@ class HttpServer:
         ``opened(response)`` gets the open response, which another thread may close."""
         import httpx
 
+        if cancelled():  # closed before it went
+            return
         try:
             with closing(self._send(path, body, stream=True)) as r:
                 if opened is not None:
