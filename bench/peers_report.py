@@ -47,8 +47,6 @@ class RunResult:
     """Engine errors of the run's rows (a failed row's reason)."""
     calls: int | None = None
     """Requests rig's runner made of the engine it drives (a chunk, a stream, a lookahead window)."""
-    warm_calls: int | None = None
-    """Requests that prefilled a searching row's next tokens ahead (llama-server), not in ``calls``."""
     decode_ms: list[float] = field(default_factory=list)
     """Per row: time spent decoding between hops (each stretch's tokens after its first)."""
     decode_tokens: list[int] = field(default_factory=list)
@@ -108,7 +106,7 @@ def summarize(runs: dict[str, dict[int, RunResult]], gold: list[list[str]] | Non
              "retokenized": low.retokenized,
              "same_answers": (f"{sum(a == b for a, b in zip(low.answers, ref))}/{len(ref)}"
                               if ref is not None and low.answers else None),
-             "calls": low.calls, "warm_calls": low.warm_calls}
+             "calls": low.calls}
         for c in cs:
             r = by_c[c]
             s[f"per_hop_ms_c{c}"] = _p([h.ms for h in r.hops])
@@ -190,9 +188,6 @@ def print_report(result: dict, out=None) -> None:
         else:
             table.add(name, *(s.get(k) for _, k in cols))
     table.print(out)
-    for name, s in result["systems"].items():
-        if s.get("warm_calls"):
-            print(f"{name}: {s['warm_calls']} more requests prefilled a searching row's next tokens", file=out)
     for key, (rig, peer) in PAIRS.items():
         r = result.get(key) or {}
         if any(v is not None for v in r.values()):

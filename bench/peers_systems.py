@@ -42,7 +42,6 @@ def run_rig(name: str, build_engine: Callable[[int], object], prompts: list[list
         engine.generate(seqs)
         wall = time.perf_counter() - t0
         calls = getattr(getattr(engine, "runner", None), "calls", None)
-        warm_calls = getattr(getattr(engine, "runner", None), "warm_calls", None)
     finally:
         engine.close()
     hops = [Hop(s.seq_id, step.first_token_ms, _evaluated(step)) for s in seqs for step in s.trace.retrieval_steps
@@ -50,7 +49,7 @@ def run_rig(name: str, build_engine: Callable[[int], object], prompts: list[list
     return RunResult(name, concurrency, wall, [s.matcher.visible_text().strip() for s in seqs],
                      [s.trace.generated_tokens for s in seqs], [s.trace.total_ms - s.trace.queue_ms for s in seqs],
                      hops, finish=[s.finish_reason or "" for s in seqs],
-                     errors=[e for s in seqs for e in s.trace.engine_errors], calls=calls, warm_calls=warm_calls,
+                     errors=[e for s in seqs for e in s.trace.engine_errors], calls=calls,
                      decode_ms=[s.trace.decode_ms for s in seqs],
                      decode_tokens=[s.trace.generated_tokens - 1 - sum(st.first_token_ms is not None
                                                                        for st in s.trace.retrieval_steps) for s in seqs],
@@ -125,13 +124,10 @@ def run_alone(engine, api, loop, plans: list, concurrency: int) -> RunResult:
 
 
 def _evaluated(step) -> int:
-    """Tokens the engine evaluated to take a hop's evidence in: what llama-server reported (the
-    evidence's request and the one that prefilled ahead while the row searched), else the evidence
-    block plus the end-marker token."""
+    """Tokens the engine evaluated to take a hop's evidence in: what llama-server reported, else the
+    evidence block plus the end-marker token."""
     server = step.info.get("server")
-    if not server:
-        return step.evidence_tokens + 1
-    return server.get("prompt_n") + (server.get("ahead_n") or 0) if server.get("prompt_n") is not None else None
+    return server.get("prompt_n") if server else step.evidence_tokens + 1
 
 
 def _vllm_engine(cfg, api):

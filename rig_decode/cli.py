@@ -60,14 +60,14 @@ def _print_hops(trace, out=sys.stdout) -> None:
     for step in trace.retrieval_steps:
         docs = ", ".join(f"{d.title or d.id} ({d.score:.2f})" for d in step.docs) or "no documents"
         err = f"  [{step.error}]" if step.error else ""
-        served = step.info.get("server") or {}
-        ahead = f" (+{served['ahead_n']} while searching)" if served.get("ahead_n") else ""
+        served = step.info.get("server")
         server = (f"; the server took {served['cache_n']} tokens from its cache and evaluated {served['prompt_n']}"
-                  f"{ahead}" if served.get("prompt_n") is not None else "")
+                  if served and served.get("prompt_n") is not None else "")
         print(f"  hop {step.round}: {step.query!r} -> {docs}; {step.latency_ms:.0f} ms search, "
               f"{step.evidence_tokens} evidence tokens spliced in {step.splice_ms:.0f} ms{server}{err}", file=out)
-    print(f"  {trace.num_hops} hops, {trace.generated_tokens} tokens generated, {trace.evidence_tokens} evidence "
-          f"tokens, {trace.total_ms / 1e3:.1f}s, finish: {trace.finish_reason}", file=out)
+    print(f"  {trace.num_hops} hops, {trace.generated_tokens} tokens generated, "
+          f"{trace.evidence_tokens} evidence tokens, {trace.total_ms / 1e3:.1f}s, finish: {trace.finish_reason}",
+          file=out)
 
 
 def cmd_ask(args) -> int:

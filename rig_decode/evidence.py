@@ -71,11 +71,6 @@ class EvidenceFormatter:
                              f"({self.min_budget} tokens)")
 
     @property
-    def head(self) -> list[int]:
-        """The tokens every block begins with (known before its search returns)."""
-        return list(self._head)
-
-    @property
     def min_budget(self) -> int:
         return len(self._head) + len(self._tail) + len(self._empty)
 

@@ -48,19 +48,11 @@ def test_a_hop_costs_one_request_and_the_stream_stops_while_the_row_searches(tok
         forced = sum(len(ids) for ids in script[0].values())
         assert runner.calls <= 1 + forced + seq.trace.num_hops
         # and each stream stopped when its row parked or diverged, within a few tokens (its socket shut
-        # down: the server's next sends fail), not at the end of the context; a search's prefill
-        # ahead decoded one token
+        # down: the server's next sends fail), not at the end of the context
         time.sleep(0.5)
-        assert runner.warm_calls == seq.trace.num_hops
-        assert server.decoded <= seq.num_generated + 5 * runner.calls + runner.warm_calls, \
-            (server.decoded, seq.num_generated, runner.calls)
+        assert server.decoded <= seq.num_generated + 5 * runner.calls, (server.decoded, seq.num_generated, runner.calls)
 
 
-
-
-def _warm(requests: list[dict]) -> list[dict]:
-    """The requests that prefilled a searching row's next tokens (one token, no scores, no stop)."""
-    return [r for r in requests if r["n_predict"] == 1 and not r["stop"] and not r["n_probs"]]
 
 def test_the_server_stops_at_the_end_marker_it_writes_itself():
     """A model that writes its own markers: each stream asks the server to stop at the end
@@ -79,10 +71,7 @@ def test_the_server_stops_at_the_end_marker_it_writes_itself():
         engine.close()
     assert [s.matcher.visible_text().strip() for s in seqs] == ANSWERS
     assert runner.stop_text == (END,) and runner.opens_query_text == (START,)
-    # while a row searched, its marker token and the evidence head went up in a request of one token
-    warm = _warm(server.requests)
-    asked = [r for r in server.requests if r not in warm]
-    assert all(r["stop"] == ([END] if r["n_probs"] else [END, START]) for r in asked)
+    assert all(r["stop"] == ([END] if r["n_probs"] else [END, START]) for r in server.requests)
     # a row's first stretch (no query seen yet) streams without scores (the rules there are bans: the
     # stray end delimiter's) and stops at its query's start, whose tokens come with scores (the
     # newline rule needs them) in a second request; those queries opened within SCORED_LEAD tokens of
@@ -90,12 +79,12 @@ def test_the_server_stops_at_the_end_marker_it_writes_itself():
     # into the next query: a hop costs one request
     hops = sum(s.trace.num_hops for s in seqs)
     assert runner.lead <= SCORED_LEAD
-    assert runner.calls == len(asked) == 2 * len(seqs) + hops == 7 and runner.warm_calls == len(warm) == hops
-    unscored = [r for r in asked if not r["n_probs"]]
+    assert runner.calls == len(server.requests) == 2 * len(seqs) + hops == 7
+    unscored = [r for r in server.requests if not r["n_probs"]]
     end = tok.convert_tokens_to_ids(END)
     assert len(unscored) == len(seqs) and all(r["banned"] == [end] for r in unscored)
-    assert all(r["n_probs"] == 20 and r["banned"] == [] for r in asked if r not in unscored)
-    assert server.decoded == sum(s.num_generated for s in seqs) + len(warm)  # and a token per search
+    assert all(r["n_probs"] == 20 and r["banned"] == [] for r in server.requests if r not in unscored)
+    assert server.decoded == sum(s.num_generated for s in seqs)
 
 
 class _NoSlots:
@@ -154,8 +143,7 @@ def test_each_row_keeps_its_slot(model, tok):
         seqs = _generate(_engine(model, tok, script, runner=runner, max_new_tokens=40), tok, PROMPTS)
         by_prompt = {}
         for r in server.requests:
-            if r not in _warm(server.requests):  # (a prefill ahead may reach the server after its row's next)
-                by_prompt.setdefault(r["slot"], []).append(r["prompt_len"])
+            by_prompt.setdefault(r["slot"], []).append(r["prompt_len"])
     assert len(by_prompt) == len(seqs)  # three rows, three slots, each row's requests on its own
     for lengths in by_prompt.values():
         assert lengths == sorted(lengths)  # one row's requests, its context growing
@@ -300,13 +288,13 @@ def test_the_server_applies_the_bans_and_picks_the_in_process_tokens(tok_special
     if not honour:
         assert len(server.requests) > 10 * len(PROMPTS) and any(r["n_probs"] for r in server.requests)
         return
-    unscored = [r for r in server.requests if not r["n_probs"] and r not in _warm(server.requests)]
+    unscored = [r for r in server.requests if not r["n_probs"]]
     assert server.overruled > 0 and unscored  # the bans changed the server's picks
     assert all(end in r["banned"] for r in unscored)  # a stray end delimiter, everywhere outside a query
     # the start delimiter once the budget is spent: from the first token (0 hops), after the hop (1)
     assert any(start in r["banned"] for r in unscored)
     assert any(start not in r["banned"] for r in unscored) == (hops > 0)
-    assert all(r["n_probs"] == 20 for r in server.requests if r not in unscored + _warm(server.requests))
+    assert all(r["n_probs"] == 20 for r in server.requests if r not in unscored)
 
 
 
@@ -335,9 +323,7 @@ def test_a_scored_token_the_bans_allow_is_taken_without_the_processors(tok_speci
         engine.processors.insert(0, seen)
         remote = _generate(engine, tok_special, PROMPTS)
     assert [s.token_ids for s in remote] == [s.token_ids for s in local]
-    searched = sum(1 for s in remote for step in s.trace.retrieval_steps if step.query)  # (not an empty query)
-    assert len(_warm(server.requests)) == searched  # each search's marker and evidence head went up ahead
-    assert all(r["n_probs"] == 20 and not r["banned"] for r in server.requests if r not in _warm(server.requests))
+    assert all(r["n_probs"] == 20 and not r["banned"] for r in server.requests)
     sampled = sum(s.num_generated for s in remote)
     assert 0 < seen.rows < sampled / 2, (seen.rows, sampled)
     assert max(s.trace.num_hops for s in remote) == hops

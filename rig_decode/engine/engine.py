@@ -272,11 +272,10 @@ class RigEngine:
         parked = postprocess(rows, sampled, [spliced[i] for i in ready], started, self.stop_ids,
                              self.runner.context_limit, getattr(self.runner, "row_info", None), ready)
         now = time.perf_counter()
-        self.hops.park(batch, parked, now)
         if parked and hasattr(self.runner, "pause"):  # a remote row's stream stops while it searches
             gone = {id(s) for s in parked}
-            paused = [i for i in ready if id(batch[i]) in gone]
-            self.runner.pause(paused, [self.hops.ahead(batch[i]) for i in paused])
+            self.runner.pause([i for i in ready if id(batch[i]) in gone])
+        self.hops.park(batch, parked, now)
         if self.opts.waits_for_retrieval:  # the decode path waits for this step's searches
             self.hops.wait_for(batch, parked, now)
             self._expire(time.perf_counter())

@@ -96,14 +96,6 @@ class HopHandler:
                 self.serve(batch, s, [], f"search could not be queued: {type(e).__name__}: {e}", now)
         self.worker.flush()  # this step's queries, in one search call
 
-    def ahead(self, s: Sequence) -> list[int]:
-        """The tokens a row that is searching will be fed first, known before its search returns:
-        its pending marker token and the evidence block's head (none where its block does not
-        simply follow: a row served already, summary mode, zero-prefill blocks)."""
-        if s.status is not RETRIEVING or self.chunks is not None or self.opts.append_format == "summary":
-            return []
-        return s.pending + self.formatter.head
-
     def wait_for(self, batch: list[Sequence], parked: list[Sequence], now: float) -> None:
         """Serve these rows' searches as they finish, up to the retrieval timeout from ``now``."""
         waiting = [s for s in parked if s.status is RETRIEVING]

@@ -30,10 +30,6 @@ asks for scores from its start instead (``SCORED_LEAD``, ``_rules``) and runs on
 one request per hop. A row whose bans change gets a new stream (a stream with scores serves any
 rules).
 
-While a row searches, the tokens its next feed is known to begin with (its end marker's token and
-the evidence block's head) are prefilled in a request of one token (``pause``): the evidence's own
-request then evaluates the rest.
-
 On llama-server each row keeps one slot (``id_slot``) for its whole life, so a new request finds
 its prefix in the slot's cache even while the closed stream's slot is still finishing its last
 token (llama-server defers a request for a busy slot); the engine's batch is held to the server's
@@ -83,8 +79,6 @@ class StreamRow:
     """Streams of the row that ended without a prediction since its last one."""
     stretch_at: int = 0
     """Where the row's current stretch began (after its prompt or its last evidence)."""
-    warming: ServerStream | None = None
-    """The request prefilling what the row will be fed next while it searches (``pause``)."""
     want: frozenset[int] | None = None
     """The bans at the position the row waits for a prediction of (None: the rules need its scores)."""
 
@@ -130,10 +124,6 @@ class StreamingRunner(RemoteRunner):
         self.scored_lead = SCORED_LEAD
         self.lead = SCORED_LEAD + 1
         """Tokens the last query opened after its row's stretch began (``_rules``)."""
-        self.warm_ahead = True
-        """Prefill what a searching row is known to be fed next (``pause``)."""
-        self.warm_calls = 0
-        """Requests that prefilled ahead (not in ``calls``: no prediction is taken from them)."""
         self.answered: list[int] = []
         self.arrived = threading.Event()
         """Set whenever a stream has something for the engine (a partial step waits on it)."""
@@ -165,9 +155,8 @@ class StreamingRunner(RemoteRunner):
 
     def _release(self, rows: list[StreamRow]) -> None:
         for row in rows:
-            for stream in (row.stream, row.warming):
-                if stream is not None:
-                    stream.close()
+            if row.stream is not None:
+                row.stream.close()
             if row.slot is not None:
                 self.free_slots.append(row.slot)
         self.free_slots.sort()
@@ -282,26 +271,13 @@ class StreamingRunner(RemoteRunner):
         row.awaiting = None
         return True
 
-    def pause(self, rows: list[int], ahead: list[list[int]] | None = None) -> None:
-        """These rows wait (for their search): their streams close, the next step opens new ones.
-        ``ahead``: the tokens each row's next feed begins with, known now (the end marker's token and
-        the evidence block's head): the server prefills them while the search runs, in a request of
-        one token whose answer nobody waits for (``warm_ahead``), so the evidence's own request
-        evaluates the rest (the hop's trace counts both: ``prompt_n`` and ``ahead_n``)."""
-        for j, i in enumerate(rows):
+    def pause(self, rows: list[int]) -> None:
+        """These rows wait (for their search): their streams close, the next step opens new ones."""
+        for i in rows:
             row = self.rows[i]
             if row.stream is not None:
                 row.stream.close()
                 row.stream = None
-            if self.warm_ahead and ahead and ahead[j]:
-                self._warm(row, ahead[j])
-
-    def _warm(self, row: StreamRow, tokens: list[int]) -> None:
-        if row.warming is not None:
-            row.warming.close()
-        request = partial(self.server.stream_completion, row.tokens + list(tokens), 1, 0, row.slot)
-        row.warming = ServerStream(request)
-        self.warm_calls += 1
 
     def take_picks(self) -> dict[int, int]:
         """The last step's tokens the server picked that the row's bans do not ban, by row: the
@@ -320,9 +296,8 @@ class StreamingRunner(RemoteRunner):
             self._open(row)
 
     def _open(self, row: StreamRow) -> None:
-        for stream in (row.stream, row.warming):  # a prefill ahead not sent yet never goes
-            if stream is not None:
-                stream.close()
+        if row.stream is not None:
+            row.stream.close()
         unscored = row.bans is not None
         request = partial(self.server.stream_completion, list(row.tokens), self._predict_n(row.tokens),
                           0 if unscored else self.top_logprobs, row.slot, banned=sorted(row.bans or ()),
@@ -349,11 +324,6 @@ class StreamingRunner(RemoteRunner):
             if prediction is not None:
                 if fresh and row.stream.info is not None:
                     row.info = dict(row.stream.info)
-                    warmed = row.warming.info if row.warming is not None else None
-                    if warmed is not None and warmed.get("prompt_n") is not None:
-                        row.info["ahead_n"] = warmed["prompt_n"]  # the tokens prefilled while it searched
-                if fresh:
-                    row.warming = None
                 row.next, row.ended = prediction, 0
                 return prediction
             row.ended += 1

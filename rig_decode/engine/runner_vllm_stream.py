@@ -215,10 +215,9 @@ class VllmStreamRunner(StreamingRunner):
             row.session = None
         row.stream = row.next = None
 
-    def pause(self, rows: list[int], ahead: list[list[int]] | None = None) -> None:
+    def pause(self, rows: list[int]) -> None:
         """A row that parks for its search while its chunk still decodes stops it (a chunk that ended
-        at the end delimiter keeps its session). ``ahead`` is not prefilled: a session's next chunk
-        is the marker and the whole evidence block."""
+        at the end delimiter keeps its session)."""
         for i in rows:
             row = self.rows[i]
             if row.stream is not None and not row.stream.finished:
