@@ -328,6 +328,7 @@ def test_a_scored_token_the_bans_allow_is_taken_without_the_processors(tok_speci
     assert 0 < seen.rows < sampled / 2, (seen.rows, sampled)
     assert max(s.trace.num_hops for s in remote) == hops
 
+
 def test_a_partial_step_answers_the_rows_whose_tokens_came(model, tok):
     """A row whose first token is slow (a long prefill) holds up no other row: a partial step answers
     the rows whose predictions have come, and the slow row, fed the same tokens again at the next
