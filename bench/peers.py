@@ -99,7 +99,8 @@ def measure(systems: list[System], prompts: list[list[int]], concurrency: list[i
             warmup: int = 1, warmup_tokens: int = 8,
             repeat: int = 1) -> tuple[dict[str, dict[int, RunResult]], dict[str, str]]:
     """Every system at every concurrency, ``repeat`` times over, interleaved (each round runs every
-    concurrency of every system in turn, so a slow spell of the machine falls on all of them alike);
+    concurrency of every system in turn, so a slow spell of the machine falls on all of them alike;
+    every other round in the reverse order, so that no system always runs right after the same one);
     ({name: {concurrency: the runs combined}}, {name: error})."""
     runs: dict[str, dict[int, list[RunResult]]] = {}
     errors: dict[str, str] = {}
@@ -117,7 +118,7 @@ def measure(systems: list[System], prompts: list[list[int]], concurrency: list[i
             attempt(system, lambda: system.run(prompts[:warmup], 1, warmup_tokens), "")
     for rnd in range(repeat):
         for c in concurrency:
-            for system in [s for s in systems if s.name not in errors]:
+            for system in [s for s in (systems if rnd % 2 == 0 else systems[::-1]) if s.name not in errors]:
                 def one(system=system, c=c):
                     if system.before_run is not None:
                         system.before_run()

@@ -11,7 +11,9 @@ Each processor has two entry points. ``apply(rows, scores)`` is what the engine 
 its sequences, each with a ``matcher`` it keeps up to date. ``fixed_bans(row)`` says what ``apply``
 would do at the row's next position where that is only banning tokens (the ids; None where it needs
 the model's scores): a model server can then apply the rules itself (``logit_bias``) and decode
-without sending scores back (``engine/runner_stream.py``). ``__call__(input_ids, scores)`` is the
+without sending scores back (``engine/runner_stream.py``). ``pooled(row)`` says which ids' probability
+``apply`` pools into one of them, where that is what it does (the newline rule): a server's greedy
+token outside them whose probability beats theirs together is still the pick. ``__call__(input_ids, scores)`` is the
 HuggingFace ``LogitsProcessor`` signature, so the same objects plug into ``model.generate``; there a
 shared ``MarkerTracker`` feeds each row's new tokens (everything after the prompt) to its matcher.
 """
@@ -79,6 +81,11 @@ class _MarkerProcessor(LogitsProcessor):
     def fixed_bans(self, row) -> frozenset[int] | None:
         """The ids ``apply`` bans at this row's next position, where banning is all it does there
         (empty: it does nothing); None where it forces a token or moves probability."""
+        return None
+
+    def pooled(self, row) -> tuple[frozenset[int], int] | None:
+        """Where ``fixed_bans`` is None because ``apply`` pools the probability of some ids into one
+        of them (the rest to -inf) and does nothing else: those ids and the one. None otherwise."""
         return None
 
 
@@ -196,6 +203,9 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
     def __init__(self, vocab: MarkerVocab, tracker: MarkerTracker | None = None):
         super().__init__(tracker)
         self.vocab = vocab
+        self._pools: dict[int, frozenset[int]] = {}
+        """The pooled ids by the end delimiter's token they go to."""
+        self._any = len(vocab.newline_ids) > 0
 
     def apply(self, rows, scores):
         newline = self.vocab.newline_ids
@@ -216,7 +226,16 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
         return scores
 
     def fixed_bans(self, row):
-        return None if row.matcher.is_open and len(self.vocab.newline_ids) else NO_BANS
+        return None if self._any and row.matcher.is_open else NO_BANS
+
+    def pooled(self, row):
+        m = row.matcher
+        if not (self._any and m.is_open):
+            return None
+        end = m.next_forced_end()
+        if end not in self._pools:
+            self._pools[end] = frozenset(self.vocab.newline_ids.tolist()) | {end}
+        return self._pools[end], end
 
 
 class RetrieveFirstProcessor(_MarkerProcessor):

@@ -170,3 +170,59 @@ def test_fixed_bans_are_what_apply_does_or_none(tok, tok_special, style):
             expect[0, sorted(bans)] = float("-inf")
             assert torch.equal(out, expect), (type(p).__name__, t)
     assert seen["bans"] and seen["none"]
+
+
+def test_a_greedy_token_that_outweighs_the_newline_pool_is_the_scored_paths_pick(tok_special):
+    """Inside a query the newline rule pools every line-break token's probability into the end
+    delimiter. ``PickRule.outweighs`` says from a server's top log-probabilities alone whether its
+    greedy token is still the pick: wherever it says so, the scored path (the top list written as the
+    runners write it, the processors, greedy) picks that token; it says so for most confident
+    positions, and not where the pool wins or comes within its margin."""
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rig_decode.engine.runner_remote import BELOW_TOP
+    from rig_decode.engine.sampling import Sampler
+
+    vocab = MarkerVocab(tok_special, MarkerSpec.special_token())
+    eos = tok_special.eos_token_id
+    sampler = Sampler(marker_processors(vocab, max_iterations=2, max_query_tokens=48, stop_ids=[eos]), EngineOptions())
+    row = SimpleNamespace(matcher=MarkerMatcher(vocab), temperature=None, top_p=None, is_finished=False)
+    for t in tok_special.encode(MarkerSpec.special_token().start[0] + "who wrote", add_special_tokens=False):
+        row.matcher.feed(t)
+    assert row.matcher.is_open
+    rule = sampler.pick_rule(row)
+    newline, end = set(vocab.newline_ids.tolist()), row.matcher.next_forced_end()
+    assert rule.pooled == frozenset(newline | {end}) and eos in rule.bans
+
+    def scored_pick(top):
+        scores = np.empty((1, len(vocab)), dtype=np.float32)
+        scores.fill(min(lp for _, lp in top) - BELOW_TOP)
+        scores[0, [t for t, _ in top]] = [lp for _, lp in top]
+        return sampler.sample([row], torch.from_numpy(scores), [0], 0.0).tokens[0]
+
+    rng = np.random.default_rng(0)
+    plain = [t for t in range(len(vocab)) if t not in newline and t not in rule.bans and t != end]
+    pool = sorted(newline)[:3]  # the line-break tokens listed (any others sit at the floor)
+    taken = pool_won = 0
+    for case in range(400):
+        ids = list(rng.choice(plain, 19 - len(pool), replace=False)) + pool + [end]
+        logits = rng.normal(0.0, 1.0 + case % 4, len(ids))
+        logprobs = logits - np.logaddexp.reduce(np.append(logits, 0.0))  # some mass left off the list
+        top = sorted(((int(t), float(lp)) for t, lp in zip(ids, logprobs)), key=lambda kv: -kv[1])
+        g = top[0][0]
+        pick = scored_pick(top)
+        if rule.outweighs(g, top, BELOW_TOP):
+            taken += 1
+            assert pick == g, (case, top[:3])
+        pool_won += pick == end
+    assert 100 < taken < 400 and pool_won > 20, (taken, pool_won)
+    g = plain[0]  # the pool just under the token: still the token's, but inside the margin
+    close = [(g, math.log(0.5)), (end, math.log(0.5) - 1e-4)]
+    assert scored_pick(close) == g and not rule.outweighs(g, close, BELOW_TOP)
+    assert rule.into == end and rule.outweighs(end, [(end, -0.1), (g, -3.0)], BELOW_TOP)  # pooling only raises it
+    assert scored_pick([(end, -0.1), (g, -3.0)]) == end
+    for t in newline:  # the pool's other tokens are never the pick
+        assert not rule.outweighs(t, [(t, -0.1), (g, -3.0)], BELOW_TOP) and scored_pick([(t, -0.1), (g, -3.0)]) == end

@@ -216,9 +216,10 @@ def test_rig_hops_are_the_traces_first_token_times():
 
 
 def test_repeated_runs_interleave_and_report_the_median_run():
-    """``--repeat``: every round runs each concurrency of each system in turn; a system's figure is its
-    median run's tokens/s with every run's hops pooled; rig vs the loop is also given run by run; a
-    system that fails in a later round keeps the runs it had and does not stop the others."""
+    """``--repeat``: every round runs each concurrency of each system in turn (every other round in the
+    reverse order); a system's figure is its median run's tokens/s with every run's hops pooled; rig
+    vs the loop is also given run by run; a system that fails in a later round keeps the runs it had
+    and does not stop the others."""
     order, walls = [], {"rig-llama": [4.0, 2.0, 1.0], "resubmit-llama": [2.0, 2.0, 2.0]}
 
     def system(name):
@@ -234,7 +235,8 @@ def test_repeated_runs_interleave_and_report_the_median_run():
     peers = [system("rig-hf"), system("rig-llama"), system("resubmit-llama")]
     runs, errors = bench.measure(peers, [[1]], [1, 2], 8, warmup=0, repeat=3)
     assert order[:6] == [(n, c) for c in (1, 2) for n in ("rig-hf", "rig-llama", "resubmit-llama")]
-    assert order[6] == ("rig-hf", 1) and ("rig-hf", 2) not in order[7:]  # failed at run 2: left out after
+    assert order[6:9] == [(n, 1) for n in ("resubmit-llama", "rig-llama", "rig-hf")]  # round 2: reversed
+    assert ("rig-hf", 2) not in order[9:]  # failed at its run 2: left out after
     assert errors == {"rig-hf": "RuntimeError: lost the engine"}
     assert set(runs["rig-hf"]) == {1, 2} and runs["rig-hf"][1].tok_s_runs is None  # round 1's runs kept
     rig = runs["rig-llama"][1]

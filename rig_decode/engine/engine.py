@@ -310,8 +310,8 @@ class RigEngine:
             logits = self.runner.step(feed, staged=staged, reselect=reselect)
         else:
             kw = {}
-            if getattr(self.runner, "takes_bans", False):  # a model server: its picks the rules only ban
-                kw["bans"] = [self.sampler.fixed_bans(s) if i in fed else None for i, s in enumerate(batch)]
+            if getattr(self.runner, "takes_rules", False):  # a model server: its picks the rules allow
+                kw["rules"] = [self.sampler.pick_rule(s) if i in fed else None for i, s in enumerate(batch)]
             if getattr(self.runner, "partial_steps", False):
                 kw.update(partial=True, max_wait_s=PARTIAL_WAIT_S)
             logits = self.runner.step(feed, **kw)

@@ -35,6 +35,10 @@ import torch
 
 from .servers import Completion, RemoteError
 
+BELOW_TOP = 30.0
+"""Where a position's scores come as its top log-probabilities, every other token is written this
+many nats below the least of them (finite, so that a single allowed token still reads as forced)."""
+
 
 @dataclass(slots=True)
 class RemoteRow:
@@ -154,15 +158,15 @@ class RemoteRunner:
         return torch.from_numpy(logits)
 
     def _write_scores(self, row: torch.Tensor, top: list[tuple[int, float]]) -> None:
-        """The top log-probabilities into ``row`` (a row of ``_new_logits``), every other token 30 nats
-        below the least of them (finite, so a single allowed token still reads as forced)."""
+        """The top log-probabilities into ``row`` (a row of ``_new_logits``), every other token
+        ``BELOW_TOP`` nats below the least of them."""
         ids, vals = zip(*top)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RemoteError(f"the server returned token id {bad[0]}; the local tokenizer has "
                               f"{self.vocab_size} tokens: is it serving the same model?")
         out = row.numpy()
-        out.fill(min(vals) - 30.0)
+        out.fill(min(vals) - BELOW_TOP)
         out[list(ids)] = vals
 
     def close(self) -> None:

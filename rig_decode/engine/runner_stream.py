@@ -18,9 +18,12 @@ token the server did not predict:
 
 Where the rules at a row's next position only ban tokens (outside a query: the hop budget, a stray
 end delimiter, citations outside a number) and the row decodes greedily, the engine passes the bans
-(``Sampler.fixed_bans``): a server's greedy token that none of them bans is the engine's pick, which
+(``Sampler.pick_rule``): a server's greedy token that none of them bans is the engine's pick, which
 it takes as it is (``take_picks``: no scores written, no processors run, no argmax over the
-vocabulary; most of the engine's work per token), whether the stream sent scores or not. A new
+vocabulary; most of the engine's work per token), whether the stream sent scores or not. Inside a
+query the newline rule pools the probability of every token with a line break into the end
+delimiter: on a stream with scores, a greedy token outside that pool, clearly more probable than
+all of it, is the pick too (``PickRule.outweighs``), so most query tokens skip the processors. A new
 stream under bans asks the server to apply them itself (``logit_bias``, ``pushes_bans``) and send
 no log-probabilities, so the server skips the top-N list it would otherwise build per token; it
 stops after a token that opens a query (``opens_query``), where the newline rule needs the scores
@@ -48,7 +51,8 @@ from functools import partial
 import torch
 
 from .inbox import PENDING, ServerStream
-from .runner_remote import RemoteRunner
+from .runner_remote import BELOW_TOP, RemoteRunner
+from .sampling import PickRule
 from .servers import Prediction, RemoteError, make_server
 
 STREAM_TOKENS = 1024
@@ -79,16 +83,17 @@ class StreamRow:
     """Streams of the row that ended without a prediction since its last one."""
     stretch_at: int = 0
     """Where the row's current stretch began (after its prompt or its last evidence)."""
-    want: frozenset[int] | None = None
-    """The bans at the position the row waits for a prediction of (None: the rules need its scores)."""
+    want: PickRule | None = None
+    """The rules at the position the row waits for a prediction of, as far as the server's greedy token
+    and its scores decide the pick (None: the processors run on the scores)."""
 
 
 class StreamingRunner(RemoteRunner):
     """The engine's runner interface over a streaming completion server (see the module docstring)."""
 
-    takes_bans = True
-    """``step`` takes each row's bans at its next position (``Sampler.fixed_bans``; None: the rules
-    need the scores there): a prediction they do not ban is the engine's pick (``take_picks``)."""
+    takes_rules = True
+    """``step`` takes each row's rules at its next position (``Sampler.pick_rule``; None: the
+    processors need the scores there): a prediction they allow is the engine's pick (``take_picks``)."""
     pushes_bans = True
     """A new stream under bans asks the server to apply them and send no scores (``_rules``)."""
     partial_steps = True
@@ -161,13 +166,12 @@ class StreamingRunner(RemoteRunner):
                 self.free_slots.append(row.slot)
         self.free_slots.sort()
 
-    def step(self, feeds: list[list[int]], bans: list[frozenset[int] | None] | None = None, *,
+    def step(self, feeds: list[list[int]], rules: list[PickRule | None] | None = None, *,
              partial: bool = False, max_wait_s: float | None = None) -> torch.Tensor:
         """Append each row's tokens; log-probability rows for what comes next (zeros for rows that
-        fed nothing). ``bans``: each row's rules at its next position as bans, where that is all
-        they are (None: the engine needs the scores). A row whose stream predicted its token under
-        the same rules reads the next prediction; the others start a new stream (all before any is
-        waited for).
+        fed nothing). ``rules``: each row's rules at its next position (``Sampler.pick_rule``; None:
+        the engine needs the scores). A row whose stream predicted its token under the same bans
+        reads the next prediction; the others start a new stream (all before any is waited for).
 
         ``partial``: answer the rows whose predictions have come, as soon as one has (waiting at
         most ``max_wait_s``, or until ``wake``); ``take_answered`` says which. A row that is still
@@ -183,10 +187,10 @@ class StreamingRunner(RemoteRunner):
                 if feed != row.awaiting:
                     raise ValueError(f"row {i} was fed {feed} while its feed {row.awaiting} waits for its prediction")
                 continue
-            want = bans[i] if bans is not None else None
+            want = rules[i] if rules is not None else None
             self._track(row, feed)
             follows = (row.stream is not None and row.next is not None and feed == [row.next.token]
-                       and (row.bans is None or row.bans == want))  # a stream with scores serves any rules
+                       and (row.bans is None or (want is not None and not want.pooled and row.bans == want.bans)))
             row.tokens += feed
             row.want = want
             if not follows:
@@ -214,14 +218,15 @@ class StreamingRunner(RemoteRunner):
         elif feed[0] in self.opens_query:
             self.lead = len(row.tokens) - row.stretch_at
 
-    def _rules(self, bans: frozenset[int] | None) -> frozenset[int] | None:
-        """The bans a new stream runs under (None: it asks for scores). Where it may open a query and
-        the last query opened within ``SCORED_LEAD`` tokens of its stretch's start: scores from the
-        start, so that the stream runs on into the query, sparing the request at its start."""
-        if not self.pushes_bans or (bans is not None and self.lead <= self.scored_lead
-                                    and not self.opens_query <= bans):
+    def _rules(self, want: PickRule | None) -> frozenset[int] | None:
+        """The bans a new stream runs under (None: it asks for scores, which a pool needs too). Where
+        it may open a query and the last query opened within ``SCORED_LEAD`` tokens of its stretch's
+        start: scores from the start, so that the stream runs on into the query, sparing the request
+        at its start."""
+        if (not self.pushes_bans or want is None or want.pooled
+                or (self.lead <= self.scored_lead and not self.opens_query <= want.bans)):
             return None
-        return bans
+        return want.bans
 
     def take_answered(self) -> list[int]:
         """The rows the last step wrote logits for (a partial step's: those whose predictions had come)."""
@@ -258,8 +263,9 @@ class StreamingRunner(RemoteRunner):
                 prediction = self._next(row, wait)
             if prediction is None:
                 return False
-            if row.want is not None and prediction.token not in row.want:
-                self.picks[i] = prediction.token  # greedy under bans it does not break: no scores needed
+            if row.want is not None and (row.want.picks(prediction.token) or (
+                    row.bans is None and row.want.outweighs(prediction.token, prediction.top, BELOW_TOP))):
+                self.picks[i] = prediction.token  # the engine's greedy pick under its rules: no scores needed
             else:
                 self._write_scores(logits[i], prediction.top)
         except RemoteError as e:  # this row's request failed: the others go on

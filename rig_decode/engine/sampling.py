@@ -9,6 +9,7 @@ same tokens in any batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,43 @@ class Sampled:
     """Whether a processor left the row a single token (not the model's choice: mask 0)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PickRule:
+    """The processors at a greedy row's next position, as far as a server's greedy token and its top
+    log-probabilities decide the pick (``Sampler.pick_rule``): the token is the sampler's pick if it
+    is not in ``bans``, and, where ``pooled`` names the ids whose probability a processor pools into
+    one of them, not among those and more probable than all of them together (``outweighs``)."""
+
+    bans: frozenset[int]
+    pooled: frozenset[int] = frozenset()
+    into: int | None = None
+    """The pooled id the pool's probability goes to."""
+
+    def picks(self, token: int) -> bool:
+        """Whether ``token``, the server's greedy pick, is this sampler's, by the bans alone (no pool)."""
+        return not self.pooled and token not in self.bans
+
+    def outweighs(self, token: int, top: list[tuple[int, float]], below_top: float) -> bool:
+        """Whether the server's greedy ``token`` is the sampler's pick, from the position's ``top``
+        log-probabilities (best first; every other token ``below_top`` nats under the least, as the
+        runners write them): allowed, the clear first of the list, and the id the pool goes to
+        (which pooling only raises) or else more probable than the whole pool by a margin no float32
+        rounding of the scored path bridges."""
+        if token in self.bans or not top or top[0][0] != token:
+            return False
+        best = top[0][1]
+        if len(top) > 1 and top[1][1] > best - 1e-5:  # a near tie: the scored path breaks it by id
+            return False
+        if token in self.pooled:
+            return token == self.into
+        floor = min(lp for _, lp in top) - below_top
+        listed = [lp for t, lp in top if t in self.pooled]
+        unlisted = len(self.pooled) - len(listed)  # each at the floor
+        most = max(listed + [floor] * bool(unlisted))
+        total = sum(math.exp(lp - most) for lp in listed) + unlisted * math.exp(floor - most)
+        return best > most + math.log(total) + 1e-3
+
+
 class Sampler:
     def __init__(self, processors: list, options: EngineOptions):
         """``processors``: the list the engine exposes; callers may insert into it later."""
@@ -35,10 +73,9 @@ class Sampler:
                picked: dict[int, int] | None = None) -> Sampled:
         """A token per row, ``rows[j]`` from the step's logits row ``at[j]`` (the step's logits stay
         untouched: a row-by-row retry starts from them). ``picked``: tokens a model server picked
-        greedily that the row's bans (``fixed_bans``) do not ban, by logits row: the processors would
-        only ban and greedy would pick the same, so those rows are taken as they are and their logits
-        rows are not read (per token, the processors are most of what the engine does for a row a
-        server decodes)."""
+        greedily that the row's rules (``pick_rule``) allow, by logits row: the processors and greedy
+        would pick the same, so those rows are taken as they are and their logits rows are not read
+        (per token, the processors are most of what the engine does for a row a server decodes)."""
         if picked and any(i in picked for i in at):
             todo = [j for j, i in enumerate(at) if i not in picked]
             tokens, forced = [picked.get(i, -1) for i in at], [False] * len(at)
@@ -66,24 +103,31 @@ class Sampler:
                 tokens[i] = sample_row(processed[i], temp, top_p, s.generator)
         return Sampled(tokens, forced)
 
-    def fixed_bans(self, row: Sequence) -> frozenset[int] | None:
-        """The ids the processors ban at this row's next position, where bans are all they do there and
-        the row picks greedily: a model server that applies them itself (``logit_bias``) then picks
-        the token this sampler would pick, with no scores sent back. None where the row samples or a
-        processor needs the scores (it forces or moves probability; a processor without
-        ``fixed_bans``, such as a caller's or the gate, cannot say)."""
+    def pick_rule(self, row: Sequence) -> PickRule | None:
+        """What the processors do at this row's next position, where the row picks greedily and a
+        model server's greedy token can tell whether it is this sampler's pick (``PickRule``): they
+        ban ids (a server that applies the bans itself, ``logit_bias``, then picks this sampler's
+        token with no scores sent back), and one of them may pool some ids' probability (the newline
+        rule). None where the row samples or a processor needs the scores otherwise (it forces a
+        token; a processor without ``fixed_bans``, such as a caller's or the gate, cannot say)."""
         if (self.opts.temperature if row.temperature is None else row.temperature) > 0:
             return None
-        bans = frozenset()
+        bans, pooled, into = frozenset(), frozenset(), None
         for p in self.processors:
             try:
                 more = p.fixed_bans(row) if hasattr(p, "fixed_bans") else None
+                pool = p.pooled(row) if more is None and hasattr(p, "pooled") else None
             except Exception:  # noqa: BLE001 - the scored path runs it (and deals with its failure)
                 return None
-            if more is None:
+            if more is None and (pool is None or pooled):  # a second pool: not one pool any more
                 return None
-            bans = bans | more if more else bans
-        return bans
+            if more is None:
+                (pooled, into), banned = pool, bans & pool[0]
+                if banned:  # what the bans before it left (later bans come after the pooling)
+                    pooled, into = pooled - banned, None if into in banned else into
+            elif more:
+                bans = bans | more
+        return PickRule(bans, pooled, into)
 
     def _process(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         for p in self.processors:
