@@ -11,11 +11,12 @@ Each processor has two entry points. ``apply(rows, scores)`` is what the engine 
 its sequences, each with a ``matcher`` it keeps up to date. ``fixed_bans(row)`` says what ``apply``
 would do at the row's next position where that is only banning tokens (the ids; None where it needs
 the model's scores): a model server can then apply the rules itself (``logit_bias``) and decode
-without sending scores back (``engine/runner_stream.py``). ``pooled(row)`` says which ids' probability
-``apply`` pools into one of them, where that is what it does (the newline rule): a server's greedy
-token outside them whose probability beats theirs together is still the pick. ``__call__(input_ids, scores)`` is the
-HuggingFace ``LogitsProcessor`` signature, so the same objects plug into ``model.generate``; there a
-shared ``MarkerTracker`` feeds each row's new tokens (everything after the prompt) to its matcher.
+without sending scores back (``engine/runner_stream.py``). ``pooled(row)`` says which ids'
+probability ``apply`` pools into one of them, where that is what it does (the newline rule): a
+server's greedy token outside them whose probability beats theirs together is still the pick.
+``__call__(input_ids, scores)`` is the HuggingFace ``LogitsProcessor`` signature, so the same objects
+plug into ``model.generate``; there a shared ``MarkerTracker`` feeds each row's new tokens
+(everything after the prompt) to its matcher.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
         self.vocab = vocab
         self._pools: dict[int, frozenset[int]] = {}
         """The pooled ids by the end delimiter's token they go to."""
-        self._any = len(vocab.newline_ids) > 0
+        self._has_newlines = len(vocab.newline_ids) > 0
 
     def apply(self, rows, scores):
         newline = self.vocab.newline_ids
@@ -226,11 +227,11 @@ class NewlineEndsQueryProcessor(_MarkerProcessor):
         return scores
 
     def fixed_bans(self, row):
-        return None if self._any and row.matcher.is_open else NO_BANS
+        return None if self._has_newlines and row.matcher.is_open else NO_BANS
 
     def pooled(self, row):
         m = row.matcher
-        if not (self._any and m.is_open):
+        if not (self._has_newlines and m.is_open):
             return None
         end = m.next_forced_end()
         if end not in self._pools:

@@ -183,7 +183,7 @@ def test_a_greedy_token_that_outweighs_the_newline_pool_is_the_scored_paths_pick
 
     import numpy as np
 
-    from rig_decode.engine.runner_remote import BELOW_TOP
+    from rig_decode.engine.runner_remote import BELOW_TOP, RemoteRunner
     from rig_decode.engine.sampling import Sampler
 
     vocab = MarkerVocab(tok_special, MarkerSpec.special_token())
@@ -197,11 +197,10 @@ def test_a_greedy_token_that_outweighs_the_newline_pool_is_the_scored_paths_pick
     newline, end = set(vocab.newline_ids.tolist()), row.matcher.next_forced_end()
     assert rule.pooled == frozenset(newline | {end}) and eos in rule.bans
 
-    def scored_pick(top):
-        scores = np.empty((1, len(vocab)), dtype=np.float32)
-        scores.fill(min(lp for _, lp in top) - BELOW_TOP)
-        scores[0, [t for t, _ in top]] = [lp for _, lp in top]
-        return sampler.sample([row], torch.from_numpy(scores), [0], 0.0).tokens[0]
+    def scored_pick(top):  # the list written as a runner writes it, then the processors and greedy
+        scores = torch.empty((1, len(vocab)))
+        RemoteRunner._write_scores(SimpleNamespace(vocab_size=len(vocab)), scores[0], top)
+        return sampler.sample([row], scores, [0], 0.0).tokens[0]
 
     rng = np.random.default_rng(0)
     plain = [t for t in range(len(vocab)) if t not in newline and t not in rule.bans and t != end]

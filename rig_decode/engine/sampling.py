@@ -122,8 +122,9 @@ class Sampler:
             if more is None and (pool is None or pooled):  # a second pool: not one pool any more
                 return None
             if more is None:
-                (pooled, into), banned = pool, bans & pool[0]
-                if banned:  # what the bans before it left (later bans come after the pooling)
+                pooled, into = pool
+                banned = bans & pooled  # the bans before the pooling take their ids out of it
+                if banned:
                     pooled, into = pooled - banned, None if into in banned else into
             elif more:
                 bans = bans | more
