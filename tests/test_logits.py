@@ -197,9 +197,11 @@ def test_a_greedy_token_that_outweighs_the_newline_pool_is_the_scored_paths_pick
     newline, end = set(vocab.newline_ids.tolist()), row.matcher.next_forced_end()
     assert rule.pooled == frozenset(newline | {end}) and eos in rule.bans
 
+    runner = RemoteRunner(None, len(vocab), context_limit=1024)  # only its writer is used: no server
+
     def scored_pick(top):  # the list written as a runner writes it, then the processors and greedy
         scores = torch.empty((1, len(vocab)))
-        RemoteRunner._write_scores(SimpleNamespace(vocab_size=len(vocab)), scores[0], top)
+        runner._write_scores(scores[0], top)
         return sampler.sample([row], scores, [0], 0.0).tokens[0]
 
     rng = np.random.default_rng(0)

@@ -377,3 +377,17 @@ def test_a_slow_row_holds_up_neither_the_others_tokens_nor_their_searches(tok_sp
     assert [slow.token_ids, fast.token_ids] == [local[0].token_ids, local[1].token_ids]
     assert fast.trace.num_hops == 1 and fast.trace.total_ms < 1500 < slow.trace.ttft_ms, \
         (fast.trace.total_ms, slow.trace.ttft_ms)
+
+
+def test_a_bad_token_id_fails_its_row_where_the_engine_takes_the_servers_pick(model, tok):
+    """Where the rules let the engine take the server's greedy token as it is (no processors, no
+    scores written), a token id no tokenizer has, in the pick or in its top list, still ends that
+    row with an engine error naming it; the other rows finish as in process."""
+    local = _generate(_engine(model, tok, {}, max_new_tokens=40), tok, PROMPTS)
+    with FakeLlamaServer(model, tok.eos_token_id, bad_ids=1) as server:
+        runner = StreamingRunner(LlamaCppServer(server.url), len(tok), timeout_s=10)
+        remote = _generate(_engine(model, tok, {}, runner=runner, max_new_tokens=40), tok, PROMPTS)
+    failed = [s for s in remote if s.finish_reason == "error"]
+    assert len(failed) == 1 and "token id -5" in failed[0].trace.engine_errors[0]
+    for a, b in zip(local, remote):
+        assert b is failed[0] or (b.token_ids == a.token_ids and b.finish_reason == a.finish_reason)

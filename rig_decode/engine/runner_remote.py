@@ -157,14 +157,18 @@ class RemoteRunner:
                 logits[i] = 0.0
         return torch.from_numpy(logits)
 
-    def _write_scores(self, row: torch.Tensor, top: list[tuple[int, float]]) -> None:
-        """The top log-probabilities into ``row`` (a row of ``_new_logits``), every other token
-        ``BELOW_TOP`` nats below the least of them."""
-        ids, vals = zip(*top)
+    def _check_ids(self, ids) -> None:
+        """A token id the local tokenizer does not have: the server's error."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RemoteError(f"the server returned token id {bad[0]}; the local tokenizer has "
                               f"{self.vocab_size} tokens: is it serving the same model?")
+
+    def _write_scores(self, row: torch.Tensor, top: list[tuple[int, float]]) -> None:
+        """The top log-probabilities into ``row`` (a row of ``_new_logits``), every other token
+        ``BELOW_TOP`` nats below the least of them."""
+        ids, vals = zip(*top)
+        self._check_ids(ids)
         out = row.numpy()
         out.fill(min(vals) - BELOW_TOP)
         out[list(ids)] = vals

@@ -265,6 +265,7 @@ class StreamingRunner(RemoteRunner):
                 return False
             if row.want is not None and (row.want.picks(prediction.token) or (
                     row.bans is None and row.want.outweighs(prediction.token, prediction.top, BELOW_TOP))):
+                self._check_ids([prediction.token, *(t for t, _ in prediction.top)])
                 self.picks[i] = prediction.token  # the engine's greedy pick under its rules: no scores needed
             else:
                 self._write_scores(logits[i], prediction.top)
